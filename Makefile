@@ -1,0 +1,26 @@
+# `make repro`: install, pull the data and run the pipeline.  `make test`: install and run the tests.
+# Both create .venv on first use; later runs reuse it and reinstall only when pyproject.toml changes.
+PYTHON ?= python3
+VENV := .venv
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export DVC_NO_ANALYTICS := 1
+
+.PHONY: install repro test lint
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $@
+
+repro: install
+	dvc pull data/raw.dvc
+	dvc repro
+
+lint: install
+	ruff check stages tests
+
+test: lint
+	pytest

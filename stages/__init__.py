@@ -1,0 +1,1 @@
+"""mtbert pipeline stages: one module per DVC stage."""

@@ -1,0 +1,47 @@
+"""Atomic writes: every file appears whole or not at all, so a killed stage leaves nothing half-written."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path | str) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success rename it onto `path`, on failure delete it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    temp = Path(temp_name)
+    try:
+        yield temp
+        os.chmod(temp, 0o666 & ~_UMASK)  # mkstemp creates 0600; give the file the usual permissions
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def write_text(path: Path | str, text: str) -> None:
+    with atomic_path(path) as temp:
+        temp.write_text(text, encoding="utf-8")
+
+
+def write_json(path: Path | str, data: Any) -> None:
+    write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def write_parquet(path: Path | str, table: pa.Table) -> None:
+    with atomic_path(path) as temp:
+        pq.write_table(table, temp)

@@ -1,0 +1,94 @@
+"""Stage `tokenize`: validate the raw TSV files and write one token-id Parquet file per task and split.
+
+Rejected rows go to data/rejects.tsv with their reasons; counts go to metrics/data.json. The stage fails
+if any file rejects more than data.max_reject_fraction of its rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pandas as pd
+import typer
+
+from stages.core import io
+from stages.core.backbone import load_tokenizer
+from stages.core.encoding import encode_rows
+from stages.core.params import load_params
+from stages.core.rawdata import REJECT_COLUMNS, REJECT_REASONS, ParsedSplit, RawDataError, read_split
+from stages.core.runtime import setup_logging
+from stages.core.tasks import SPLITS, TASKS, tokenized_path
+
+log = logging.getLogger("tokenize")
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(params_file: Path = typer.Option(Path("params.yaml"), help="params file to read"),
+         out_dir: Path = typer.Option(Path("data/tokenized"), help="Parquet output folder"),
+         rejects_file: Path = typer.Option(Path("data/rejects.tsv"), help="rejected rows with reasons"),
+         metrics_file: Path = typer.Option(Path("metrics/data.json"), help="data statistics")) -> None:
+    setup_logging()
+    params = load_params(params_file)
+    tokenizer = load_tokenizer(params.model.name)
+    report: dict = {"tokenizer": params.model.name, "max_length": params.tokenize.max_length}
+    all_rejects = []
+    for task in TASKS.values():
+        report[task.name] = {}
+        for split in SPLITS:
+            parsed = read_split(task.raw_path(params.data.raw_dir, split), task, split,
+                                unescape_ptb=task.name in params.data.unescape_ptb)
+            table, stats = encode_rows(tokenizer, parsed.kept, task,
+                                       max_length=params.tokenize.max_length,
+                                       batch_size=params.tokenize.batch_size,
+                                       label=f"{task.name}-{split}")
+            io.write_parquet(tokenized_path(out_dir, task.name, split), table)
+            report[task.name][split] = split_report(parsed, stats)
+            all_rejects.append(parsed.rejects)
+            log.info("%s-%s: %d rows read, %d kept, %d rejected, %d truncated", task.name, split,
+                     parsed.rows_read, len(parsed.kept), len(parsed.rejects), stats.truncated)
+    rejects = pd.concat(all_rejects, ignore_index=True)[REJECT_COLUMNS]
+    io.write_text(rejects_file, rejects.to_csv(sep="\t", index=False))
+    io.write_json(metrics_file, report)
+    check_reject_fractions(report, params.data.max_reject_fraction, rejects_file)
+
+
+def split_report(parsed: ParsedSplit, stats) -> dict:
+    counts = parsed.rejects["reason"].value_counts()
+    report = {
+        "rows_read": parsed.rows_read,
+        "rows_kept": len(parsed.kept),
+        "rejected": {reason: int(counts.get(reason, 0)) for reason in REJECT_REASONS},
+        "truncated": stats.truncated,
+    }
+    if parsed.task.is_pair:
+        report["truncated_sentences"] = stats.truncated_sentences
+    if "label" in parsed.kept:
+        report["labels"] = label_distribution(parsed.kept["label"], parsed.task.label_kind)
+    return report
+
+
+def label_distribution(labels: pd.Series, kind: str) -> dict:
+    if kind != "score":
+        return {str(label): int(count) for label, count in labels.value_counts().sort_index().items()}
+    # STS scores 0-5 in unit bins, the last one closed: [0,1) [1,2) [2,3) [3,4) [4,5].
+    bins = pd.cut(labels, bins=[0, 1, 2, 3, 4, 5.0001], right=False, labels=["0-1", "1-2", "2-3", "3-4", "4-5"])
+    histogram = {str(name): int(count) for name, count in bins.value_counts(sort=False).items()}
+    return {"mean": round(float(labels.mean()), 4), "std": round(float(labels.std()), 4),
+            "histogram": histogram}
+
+
+def check_reject_fractions(report: dict, max_fraction: float, rejects_file: Path) -> None:
+    for task in TASKS:
+        for split in SPLITS:
+            entry = report[task][split]
+            rejected = entry["rows_read"] - entry["rows_kept"]
+            if entry["rows_read"] and rejected / entry["rows_read"] > max_fraction:
+                raise RawDataError(
+                    f"{task}-{split}: {rejected} of {entry['rows_read']} rows rejected, more than "
+                    f"data.max_reject_fraction={max_fraction}; see {rejects_file}")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,65 @@
+import copy
+
+import pytest
+import yaml
+
+from stages.core.params import ParamsError, load_params, parse_params
+from tests.conftest import REPO_ROOT
+
+
+@pytest.fixture
+def raw_params() -> dict:
+    return yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+
+
+def test_repository_params_file_is_valid():
+    params = load_params(REPO_ROOT / "params.yaml")
+    assert params.tokenize.max_length == 128
+    assert params.model.name == "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def with_value(raw: dict, dotted_key: str, value) -> dict:
+    raw = copy.deepcopy(raw)
+    *parents, last = dotted_key.split(".")
+    node = raw
+    for parent in parents:
+        node = node[parent]
+    node[last] = value
+    return raw
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("tokenize.max_length", "128", "tokenize.max_length: expected an integer, got '128'"),
+    ("tokenize.max_length", 4, "tokenize.max_length: expected a value >= 8, got 4"),
+    ("tokenize.batch_size", True, "tokenize.batch_size: expected an integer, got True"),
+    ("data.max_reject_fraction", 1.5, "data.max_reject_fraction: expected a value <= 1.0, got 1.5"),
+    ("data.max_reject_fraction", float("nan"), "data.max_reject_fraction: expected a finite number"),
+    ("data.unescape_ptb", ["sst", "mnli"], "data.unescape_ptb[1]: expected one of 'sst', 'qqp', 'sts'"),
+    ("data.unescape_ptb", "sst", "data.unescape_ptb: expected a list"),
+    ("model.name", "", "model.name: expected a non-empty string"),
+    ("model", "bert", "model: expected a mapping"),
+])
+def test_bad_values_name_the_key_and_what_was_expected(raw_params, key, value, message):
+    with pytest.raises(ParamsError, match=f"^params: {message}".replace("[", r"\[").replace("]", r"\]")):
+        parse_params(with_value(raw_params, key, value))
+
+
+def test_unknown_key_is_named_with_the_accepted_ones(raw_params):
+    with pytest.raises(ParamsError, match=r"unknown key 'tokenize.max_len'; tokenize accepts: max_length"):
+        parse_params(with_value(raw_params, "tokenize.max_len", 64))
+    with pytest.raises(ParamsError, match=r"unknown key 'trian'"):
+        parse_params({**raw_params, "trian": {}})
+
+
+def test_missing_key_is_named(raw_params):
+    del raw_params["tokenize"]["batch_size"]
+    with pytest.raises(ParamsError, match=r"missing key 'tokenize.batch_size'"):
+        parse_params(raw_params)
+
+
+def test_unreadable_files_are_clear_errors(tmp_path):
+    with pytest.raises(ParamsError, match="file not found"):
+        load_params(tmp_path / "params.yaml")
+    (tmp_path / "params.yaml").write_text("data: [unclosed\n")
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        load_params(tmp_path / "params.yaml")

@@ -1,0 +1,95 @@
+"""The tokenize stage end to end: through its command line, and through a real `dvc repro`."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from stages.core.rawdata import RawDataError
+from stages.tokenize import app
+from tests.conftest import REPO_ROOT, write_raw_files
+
+
+def write_params(path: Path, raw_dir: Path, **data_overrides) -> Path:
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["data"].update(raw_dir=str(raw_dir), **data_overrides)
+    params["tokenize"]["max_length"] = 16
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def run_stage(tmp_path: Path, params_file: Path):
+    return CliRunner().invoke(app, ["--params-file", str(params_file), "--out-dir", str(tmp_path / "tok"),
+                                    "--rejects-file", str(tmp_path / "rejects.tsv"),
+                                    "--metrics-file", str(tmp_path / "data.json")])
+
+
+def test_stage_writes_every_split_and_reports_rejects(tmp_path):
+    raw = write_raw_files(tmp_path / "raw", {
+        "quora-train.csv": "\tid\tsentence1\tsentence2\tis_duplicate\n0\tq1\ta?\tb?\t1.0\n1\tq2\tc?\t\"\"\"d?\"\t\n"
+                           + "".join(f"{i}\tk{i}\tx{i}?\ty{i}?\t0.0\n" for i in range(2, 20)),
+    })
+    result = run_stage(tmp_path, write_params(tmp_path / "params.yaml", raw, max_reject_fraction=0.1))
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == sorted(
+        f"{task}-{split}.parquet" for task in ("sst", "qqp", "sts") for split in ("train", "dev", "test"))
+    assert pq.read_table(tmp_path / "tok" / "qqp-train.parquet").num_rows == 19
+    rejects = (tmp_path / "rejects.tsv").read_text().splitlines()
+    assert rejects == ["task\tsplit\trow\tid\treason\tdetail",
+                       "qqp\ttrain\t2\tq2\tmissing_label\tcolumn 'is_duplicate' is empty"]
+    report = json.loads((tmp_path / "data.json").read_text())
+    assert report["qqp"]["train"]["rows_read"] == 20
+    assert report["qqp"]["train"]["rows_kept"] == 19
+    assert report["qqp"]["train"]["rejected"]["missing_label"] == 1
+    assert report["qqp"]["train"]["labels"] == {"0": 18, "1": 1}
+    assert report["sst"]["train"]["labels"] == {"0": 1, "2": 1, "3": 1}
+    assert report["sts"]["train"]["labels"]["histogram"] == {"0-1": 1, "1-2": 0, "2-3": 0, "3-4": 0, "4-5": 1}
+    assert "labels" not in report["sst"]["test"]
+
+
+def test_stage_fails_when_a_file_rejects_too_many_rows(tmp_path):
+    raw = write_raw_files(tmp_path / "raw", {
+        "sts-dev.csv": "\tid\tsentence1\tsentence2\tsimilarity\n0\tt1\ta\tb\t1.0\n1\tt2\ta\tb\t9\n"})
+    result = run_stage(tmp_path, write_params(tmp_path / "params.yaml", raw, max_reject_fraction=0.2))
+    assert isinstance(result.exception, RawDataError)
+    assert "sts-dev: 1 of 2 rows rejected, more than data.max_reject_fraction=0.2" in str(result.exception)
+    assert "label_out_of_range" in (tmp_path / "rejects.tsv").read_text()  # the evidence is kept
+
+
+def dvc(repo: Path, *args: str) -> str:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(["dvc", *args], cwd=repo, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, f"dvc {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+@pytest.fixture
+def pipeline_repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copytree(REPO_ROOT / "stages", repo / "stages", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO_ROOT / "dvc.yaml", repo / "dvc.yaml")
+    write_params(repo / "params.yaml", Path("data/raw"))
+    write_raw_files(repo / "data" / "raw")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    dvc(repo, "init", "-q")
+    dvc(repo, "config", "core.analytics", "false")
+    return repo
+
+
+def test_dvc_repro_runs_tokenize_then_has_nothing_to_do(pipeline_repo):
+    output = dvc(pipeline_repo, "repro", "tokenize")
+    assert "Running stage 'tokenize'" in output
+    assert (pipeline_repo / "dvc.lock").is_file()
+    assert pq.read_table(pipeline_repo / "data/tokenized/sst-train.parquet").num_rows == 3
+    assert json.loads((pipeline_repo / "metrics/data.json").read_text())["sts"]["dev"]["rows_kept"] == 1
+    again = dvc(pipeline_repo, "repro", "tokenize")
+    assert "Running stage" not in again
+    assert "up to date" in dvc(pipeline_repo, "status")
