@@ -37,6 +37,7 @@ RAW_FILES = {
 
 
 def write_raw_files(directory: Path, overrides: dict[str, str | bytes] | None = None) -> Path:
+    """The nine raw files (RAW_FILES, with `overrides` replacing some) written into `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     for name, content in {**RAW_FILES, **(overrides or {})}.items():
         path = directory / name
@@ -57,3 +58,79 @@ def tokenizer():
     from stages.core.backbone import load_tokenizer
 
     return load_tokenizer(DEFAULT_BACKBONE)
+
+
+WORDS = "good bad fine film plot actor dull bright slow quick rice sky blue dog cat runs sleeps sings".split()
+
+
+def synthetic_raw_files(rows: int) -> dict[str, str]:
+    """Deterministic CS224N-format files with `rows` rows per split, for training tests."""
+    def sentence(i: int, salt: int) -> str:
+        return " ".join(WORDS[(i * 7 + salt * 3 + k * 5) % len(WORDS)] for k in range(3 + (i + salt) % 9))
+
+    files = {}
+    for split, suffix in (("train", "train"), ("dev", "dev"), ("test", "test-student")):
+        labeled = split != "test"
+        sst = ["\tid\tsentence" + ("\tsentiment" if labeled else "")]
+        qqp = ["\tid\tsentence1\tsentence2" + ("\tis_duplicate" if labeled else "")]
+        sts = ["\tid\tsentence1\tsentence2" + ("\tsimilarity" if labeled else "")]
+        for i in range(rows):
+            a, b = sentence(i, 1), sentence(i, 2 + i % 3)
+            sst.append(f"{i}\t{split}-s{i}\t{a}" + (f"\t{i % 5}" if labeled else ""))
+            qqp.append(f"{i}\t{split}-q{i}\t{a}\t{b}" + (f"\t{float(i % 2)}" if labeled else ""))
+            sts.append(f"{i}\t{split}-t{i}\t{a}\t{b}" + (f"\t{(i * 0.7) % 5:.1f}" if labeled else ""))
+        files[f"ids-sst-{suffix}.csv"] = "\n".join(sst) + "\n"
+        files[f"quora-{suffix}.csv"] = "\n".join(qqp) + "\n"
+        files[f"sts-{suffix}.csv"] = "\n".join(sts) + "\n"
+    return files
+
+
+@pytest.fixture(scope="session")
+def tiny_backbone(tmp_path_factory) -> Path:
+    """A 2-layer slice of the real default backbone, saved like any local model."""
+    from stages.core.backbone import load_encoder, load_tokenizer
+
+    encoder = load_encoder(DEFAULT_BACKBONE)
+    encoder.encoder.layer = encoder.encoder.layer[:2]
+    encoder.config.num_hidden_layers = 2
+    path = tmp_path_factory.mktemp("backbone")
+    encoder.save_pretrained(path)
+    load_tokenizer(DEFAULT_BACKBONE).save_pretrained(path)
+    return path
+
+
+def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, train=None, heads=None, models=None) -> Path:
+    """A params.yaml for tests: the repository's, pointed at the test data and the small backbone."""
+    import yaml
+
+    from stages.core.params import deep_merge
+
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["data"]["raw_dir"] = str(raw_dir)
+    params["model"]["name"] = str(backbone)
+    params["tokenize"]["max_length"] = 32
+    params["train"].update(epochs=2, batch_size={"sst": 4, "qqp": 4, "sts": 4}, eval_batch_size=8,
+                           checkpoint_every=3, threads=1, bucket_batches=2)
+    params["train"] = deep_merge(params["train"], train or {})
+    params["heads"] = deep_merge(params["heads"], heads or {})
+    params["models"] = models or {"base": {}}
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenized(tmp_path_factory, tiny_backbone) -> Path:
+    """Tokenized synthetic data (16 rows per split) for training tests."""
+    from typer.testing import CliRunner
+
+    from stages.tokenize import app
+
+    root = tmp_path_factory.mktemp("tokenized")
+    raw = write_raw_files(root / "raw", synthetic_raw_files(16))
+    params = make_params(root, tiny_backbone, raw)
+    result = CliRunner().invoke(app, ["--params-file", str(params), "--out-dir", str(root / "tok"),
+                                      "--rejects-file", str(root / "rejects.tsv"),
+                                      "--metrics-file", str(root / "data.json")])
+    assert result.exit_code == 0, result.output
+    return root / "tok"

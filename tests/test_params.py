@@ -63,3 +63,22 @@ def test_unreadable_files_are_clear_errors(tmp_path):
     (tmp_path / "params.yaml").write_text("data: [unclosed\n")
     with pytest.raises(ParamsError, match="not valid YAML"):
         load_params(tmp_path / "params.yaml")
+
+
+def test_variant_overrides_deep_merge_over_the_shared_sections(raw_params):
+    from stages.core.params import variant_params
+
+    raw_params["models"] = {"base": {}, "mean": {"heads": {"sst": {"pooling": "mean"}}, "train": {"seed": 7}}}
+    base, mean = variant_params(raw_params, "base"), variant_params(raw_params, "mean")
+    assert mean.heads.sst.pooling == "mean" and mean.train.seed == 7
+    assert mean.heads.sst.dropout == base.heads.sst.dropout  # siblings of an override are kept
+    assert mean.heads.qqp == base.heads.qqp and mean.train.lr == base.train.lr
+
+
+def test_bad_variant_override_names_the_variant_and_key(raw_params):
+    raw_params["models"] = {"base": {}, "typo": {"train": {"lrr": 1.0}}}
+    with pytest.raises(ParamsError, match=r"unknown key 'models.typo.train.lrr'; models.typo.train accepts: seed"):
+        parse_params(raw_params)
+    raw_params["models"] = {"bad name": {}}
+    with pytest.raises(ParamsError, match=r"models.bad name: a variant name may use"):
+        parse_params(raw_params)

@@ -1,14 +1,9 @@
-"""The tokenize stage end to end: through its command line, and through a real `dvc repro`."""
+"""The tokenize stage through its command line."""
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
-import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -63,33 +58,3 @@ def test_stage_fails_when_a_file_rejects_too_many_rows(tmp_path):
     assert "label_out_of_range" in (tmp_path / "rejects.tsv").read_text()  # the evidence is kept
 
 
-def dvc(repo: Path, *args: str) -> str:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    result = subprocess.run(["dvc", *args], cwd=repo, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, f"dvc {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
-    return result.stdout
-
-
-@pytest.fixture
-def pipeline_repo(tmp_path: Path) -> Path:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    shutil.copytree(REPO_ROOT / "stages", repo / "stages", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO_ROOT / "dvc.yaml", repo / "dvc.yaml")
-    write_params(repo / "params.yaml", Path("data/raw"))
-    write_raw_files(repo / "data" / "raw")
-    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
-    dvc(repo, "init", "-q")
-    dvc(repo, "config", "core.analytics", "false")
-    return repo
-
-
-def test_dvc_repro_runs_tokenize_then_has_nothing_to_do(pipeline_repo):
-    output = dvc(pipeline_repo, "repro", "tokenize")
-    assert "Running stage 'tokenize'" in output
-    assert (pipeline_repo / "dvc.lock").is_file()
-    assert pq.read_table(pipeline_repo / "data/tokenized/sst-train.parquet").num_rows == 3
-    assert json.loads((pipeline_repo / "metrics/data.json").read_text())["sts"]["dev"]["rows_kept"] == 1
-    again = dvc(pipeline_repo, "repro", "tokenize")
-    assert "Running stage" not in again
-    assert "up to date" in dvc(pipeline_repo, "status")

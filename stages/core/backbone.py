@@ -100,3 +100,14 @@ def load_tokenizer(name: str, **kwargs):
         return AutoTokenizer.from_pretrained(source, use_fast=True, **kwargs)
     except (OSError, ValueError) as error:
         raise not_found_error(name, error) from error
+
+
+def load_encoder(name: str, **kwargs):
+    """The bare encoder (no task head) with PyTorch's fused scaled-dot-product attention."""
+    from transformers import AutoModel
+
+    source = resolve_backbone(name)
+    try:
+        return AutoModel.from_pretrained(source, attn_implementation="sdpa", **kwargs)
+    except (OSError, ValueError) as error:
+        raise not_found_error(name, error) from error

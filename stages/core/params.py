@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import re
 import types
 import typing
 from pathlib import Path
@@ -19,6 +20,7 @@ import yaml
 
 DEFAULT_PARAMS_FILE = Path("params.yaml")
 TaskName = Literal["sst", "qqp", "sts"]
+VARIANT_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 class ParamsError(ValueError):
@@ -49,11 +51,92 @@ class ModelParams:
     name: str
 
 
+Pooling = Literal["cls", "mean", "max", "attention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadParams:
+    pooling: Pooling
+    hidden_layers: int = _bounded(ge=0, le=8)  # Linear-GELU-Dropout blocks before the output layer
+    dropout: float = _bounded(ge=0.0, lt=1.0)
+    loss_weight: float = _bounded(ge=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PairHeadParams(HeadParams):
+    encoding: Literal["cross", "bi"]  # one joint sequence, or each sentence alone
+    combine: Literal["cosine", "features"]  # bi-encoder only: cos(u, v), or [u, v, |u-v|, u*v]
+
+
+@dataclasses.dataclass(frozen=True)
+class StsHeadParams(PairHeadParams):
+    target: Literal["raw", "unit"]  # regress on 0-5, or on label/5 through a sigmoid
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsParams:
+    sst: HeadParams
+    qqp: PairHeadParams
+    sts: StsHeadParams
+
+
+@dataclasses.dataclass(frozen=True)
+class PerTask:
+    sst: int = _bounded(ge=1)
+    qqp: int = _bounded(ge=1)
+    sts: int = _bounded(ge=1)
+
+
+Sampler = Literal["round_robin", "proportional", "temperature", "annealed", "shuffled", "joint"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainParams:
+    seed: int = _bounded(ge=0)
+    epochs: int = _bounded(ge=1)
+    lr: float = _bounded(gt=0.0)
+    weight_decay: float = _bounded(ge=0.0)
+    layer_decay: float = _bounded(gt=0.0, le=1.0)  # LR factor per encoder layer towards the input
+    head_lr_mult: float = _bounded(gt=0.0)
+    embedding_lr_factor: float = _bounded(ge=0.0)  # on top of layer decay; 0 freezes the embeddings
+    warmup_fraction: float = _bounded(ge=0.0, lt=1.0)
+    schedule: Literal["linear", "cosine", "constant"]
+    grad_clip: float = _bounded(ge=0.0)  # max global grad norm; 0 turns clipping off
+    grad_accum: int = _bounded(ge=1)
+    batch_size: PerTask
+    eval_batch_size: int = _bounded(ge=1)
+    sampler: Sampler
+    temperature: float = _bounded(gt=0.0)  # for sampler: temperature (p ~ n^(1/T))
+    bucket_batches: int = _bounded(ge=1)  # batches per length-sorting window; 1 turns bucketing off
+    max_examples: int = _bounded(ge=0)  # per task and split, for quick runs; 0 uses all
+    bf16: bool
+    threads: int = _bounded(ge=0)  # CPU threads for torch; 0 leaves torch's default
+    checkpoint_every: int = _bounded(ge=1)  # optimiser steps between resume checkpoints
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictParams:
+    batch_size: int = _bounded(ge=1)
+    bf16: bool
+    threads: int = _bounded(ge=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnsembleParams:
+    max_members: int = _bounded(ge=1)  # per task, counting repeats
+    with_replacement: bool  # a model may be added again, weighting it more
+
+
 @dataclasses.dataclass(frozen=True)
 class Params:
     data: DataParams
     tokenize: TokenizeParams
     model: ModelParams
+    heads: HeadsParams
+    train: TrainParams
+    predict: PredictParams
+    ensemble: EnsembleParams
+    models: dict[str, dict]  # named variants: overrides deep-merged over the sections above
 
 
 def load_params(path: Path | str = DEFAULT_PARAMS_FILE) -> Params:
@@ -70,9 +153,55 @@ def load_params(path: Path | str = DEFAULT_PARAMS_FILE) -> Params:
 
 def parse_params(raw: Any, *, source: str = "params") -> Params:
     try:
-        return _build(Params, raw, "")
+        params = _build(Params, raw, "")
+        for variant in params.models:
+            if not VARIANT_NAME.fullmatch(variant) or variant == "ensemble":
+                raise ParamsError(f"models.{variant}: a variant name may use letters, digits, '_' and '-', "
+                                  "and cannot be 'ensemble'")
+            _build(Params, merged_variant(raw, variant), f"models.{variant}")
+        return params
     except ParamsError as error:
         raise ParamsError(f"{source}: {error}") from None
+
+
+def parse_section(cls: type, raw: Any, key: str, *, source: str = "params") -> Any:
+    """One section (e.g. HeadsParams from a saved model's config), validated like params.yaml."""
+    try:
+        return _build(cls, raw, key)
+    except ParamsError as error:
+        raise ParamsError(f"{source}: {error}") from None
+
+
+def variant_params(raw_or_path: Any, variant: str) -> Params:
+    """The params of one named variant: its overrides deep-merged over the shared sections."""
+    raw = raw_or_path
+    if isinstance(raw_or_path, (str, Path)):
+        raw = yaml.safe_load(Path(raw_or_path).read_text(encoding="utf-8"))
+    parse_params(raw)
+    return _build(Params, merged_variant(raw, variant), f"models.{variant}")
+
+
+def merged_variant(raw: dict, variant: str) -> dict:
+    models = raw.get("models") or {}
+    if variant not in models:
+        raise ParamsError(f"unknown variant {variant!r}; models defines: {', '.join(models) or 'none'}")
+    overrides = models[variant] or {}
+    if not isinstance(overrides, dict):
+        raise ParamsError(f"models.{variant}: expected a mapping of overrides, got {overrides!r}")
+    if "models" in overrides:
+        raise ParamsError(f"models.{variant}: a variant cannot override 'models'")
+    return deep_merge(raw, overrides)
+
+
+def deep_merge(base: dict, overrides: dict) -> dict:
+    """A copy of base with overrides applied; nested mappings merge key by key, other values replace."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def as_dict(params: Any) -> dict[str, Any]:
@@ -120,9 +249,13 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise ParamsError(f"{key}: expected a list, got {value!r}")
         return [_convert(args[0], item, f"{key}[{i}]") for i, item in enumerate(value)]
-    if origin is dict:
+    if origin is dict or hint is dict:
+        if value is None:
+            value = {}
         if not isinstance(value, dict):
             raise ParamsError(f"{key}: expected a mapping, got {value!r}")
+        if not args:
+            return value
         return {k: _convert(args[1], v, _join(key, str(k))) for k, v in value.items()}
     return _convert_scalar(hint, value, key)
 

@@ -1,0 +1,67 @@
+"""AdamW with layer-wise LR decay, head and embedding LR factors, and a warmup-then-decay schedule."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+from transformers import (
+    get_constant_schedule_with_warmup,
+    get_cosine_schedule_with_warmup,
+    get_linear_schedule_with_warmup,
+)
+
+from stages.core.params import TrainParams
+
+SCHEDULES = {"linear": get_linear_schedule_with_warmup, "cosine": get_cosine_schedule_with_warmup,
+             "constant": get_constant_schedule_with_warmup}
+
+
+def layer_of(name: str, num_layers: int) -> int:
+    """Depth of an encoder parameter: 0 for the embeddings, i + 1 for encoder layer i, top for the rest."""
+    if "embeddings" in name:
+        return 0
+    match = re.search(r"\.layers?\.(\d+)\.", name)
+    return int(match.group(1)) + 1 if match else num_layers + 1
+
+
+def lr_scale(name: str, num_layers: int, params: TrainParams) -> float:
+    """The factor on train.lr of one parameter of the model (encoder.* or heads.*)."""
+    if not name.startswith("encoder."):
+        return params.head_lr_mult
+    depth = layer_of(name, num_layers)
+    scale = params.layer_decay ** max(num_layers - depth, 0)  # top layer (and pooler): 1
+    return scale * params.embedding_lr_factor if depth == 0 else scale
+
+
+def no_weight_decay(name: str, parameter: nn.Parameter) -> bool:
+    return parameter.ndim < 2 or "LayerNorm" in name or "layer_norm" in name
+
+
+def param_groups(model: nn.Module, num_layers: int, params: TrainParams) -> list[dict]:
+    """One AdamW group per (LR, weight decay) pair; frozen parameters (LR 0) get requires_grad=False."""
+    groups: dict[tuple[float, float], dict] = {}
+    for name, parameter in model.named_parameters():
+        scale = lr_scale(name, num_layers, params)
+        if scale == 0.0:
+            parameter.requires_grad_(False)
+            continue
+        decay = 0.0 if no_weight_decay(name, parameter) else params.weight_decay
+        group = groups.setdefault((scale, decay), {"params": [], "names": [], "lr": params.lr * scale,
+                                                   "weight_decay": decay})
+        group["params"].append(parameter)
+        group["names"].append(name)
+    return list(groups.values())
+
+
+def make_optimizer(model: nn.Module, num_layers: int, params: TrainParams, total_steps: int):
+    groups = param_groups(model, num_layers, params)
+    optimizer = torch.optim.AdamW([{k: v for k, v in g.items() if k != "names"} for g in groups], lr=params.lr)
+    warmup = int(params.warmup_fraction * total_steps)
+    make_schedule = SCHEDULES[params.schedule]
+    if params.schedule == "constant":
+        scheduler = make_schedule(optimizer, num_warmup_steps=warmup)
+    else:
+        scheduler = make_schedule(optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+    return optimizer, scheduler

@@ -1,0 +1,88 @@
+"""Stage `ensemble`: per task, greedy forward selection over the variants' dev dumps.
+
+Reads prediction dumps only (never checkpoints). Writes data/ensemble/ (dumps, CS224N CSVs),
+data/plots/ensemble/ (plot tables) and metrics/ensemble.json: dev metrics, the chosen members with
+their counts, and the honest estimate (select on one half of dev, score on the other, both ways).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import typer
+
+from stages.core import io
+from stages.core.batches import load_split
+from stages.core.ensemble import average, greedy_select, honest_estimate
+from stages.core.metrics import HEADLINE, overall, task_metrics
+from stages.core.params import load_params
+from stages.core.plots import write_plot_tables
+from stages.core.predictions import read_dump, rejected_ids, write_dump, write_submission
+from stages.core.runtime import setup_logging
+from stages.core.tasks import TASK_NAMES
+
+log = logging.getLogger("ensemble")
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(params_file: Path = typer.Option(Path("params.yaml")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         rejects_file: Path = typer.Option(Path("data/rejects.tsv")),
+         predictions_dir: Path = typer.Option(Path("data/predictions")),
+         out_dir: Path = typer.Option(Path("data/ensemble")),
+         plots_dir: Path = typer.Option(Path("data/plots/ensemble")),
+         metrics_file: Path = typer.Option(Path("metrics/ensemble.json"))) -> None:
+    setup_logging()
+    params = load_params(params_file)
+    variants = sorted(params.models)
+    options = {"max_members": params.ensemble.max_members, "with_replacement": params.ensemble.with_replacement}
+    report: dict = {"variants": variants}
+    for task in TASK_NAMES:
+        dev_ids, labels = dev_labels(tokenized_dir, task)
+        dev = aligned_dumps(predictions_dir, variants, task, "dev", dev_ids)
+        selection = greedy_select(task, dev, labels, **options)
+        honest = honest_estimate(task, dev, labels, dev_ids, **options)
+        dev_values = average(dev, selection.members)
+        test_ids = read_dump(predictions_dir / variants[0], task, "test")[0]
+        test_values = average(aligned_dumps(predictions_dir, variants, task, "test", test_ids), selection.members)
+        for split, ids, values in (("dev", dev_ids, dev_values), ("test", test_ids, test_values)):
+            write_dump(out_dir, task, split, ids, values)
+            write_submission(out_dir, task, split, ids, values, rejected_ids(rejects_file, task, split))
+        write_plot_tables(plots_dir, task, dev_values, labels)
+        report[task] = {**task_metrics(task, dev_values, labels), "members": selection.counts(),
+                        "single_best": {name: task_metrics(task, dev[name], labels)[HEADLINE[task]]
+                                        for name in variants},
+                        "honest": honest}
+        log.info("%s: dev %s %.4f with %s; honest estimate %.4f", task, HEADLINE[task], selection.score,
+                 selection.counts(), honest["score"])
+    report["overall"] = overall(report)
+    report["honest_overall"] = float(np.mean([report[t]["honest"]["score"] for t in TASK_NAMES]))
+    io.write_json(metrics_file, report)
+    log.info("ensemble dev overall %.4f (honest estimate %.4f)", report["overall"], report["honest_overall"])
+
+
+def dev_labels(tokenized_dir: Path, task: str) -> tuple[np.ndarray, np.ndarray]:
+    split = load_split(tokenized_dir, task, "dev")
+    return split.ids, split.labels
+
+
+def aligned_dumps(predictions_dir: Path, variants: list[str], task: str, split: str,
+                  ids: np.ndarray) -> dict[str, np.ndarray]:
+    """Each variant's predictions in the row order of `ids`; a dump with other ids is an error."""
+    aligned = {}
+    for name in variants:
+        dump_ids, values = read_dump(predictions_dir / name, task, split)
+        position = {value: index for index, value in enumerate(dump_ids)}
+        missing = [i for i in ids if i not in position]
+        if missing or len(dump_ids) != len(ids):
+            raise ValueError(f"{predictions_dir / name}: {task}-{split} dump has {len(dump_ids)} ids, expected "
+                             f"{len(ids)} matching the dev/test split (missing e.g. {missing[:3]})")
+        aligned[name] = values[[position[i] for i in ids]]
+    return aligned
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,62 @@
+"""Stage `predict@<variant>`: dev and test prediction dumps, dev metrics, CS224N submission files.
+
+Writes data/predictions/<variant>/<task>-<split>.parquet (unrounded predictions), the CS224N CSVs
+beside them, plot tables (confusion matrices, STS scatter) and metrics/<variant>.json.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import typer
+
+from stages.core import io
+from stages.core.batches import load_split
+from stages.core.checkpoint import load_model
+from stages.core.evaluation import predict_split
+from stages.core.metrics import overall, task_metrics
+from stages.core.params import load_params
+from stages.core.plots import write_plot_tables
+from stages.core.predictions import rejected_ids, write_dump, write_submission
+from stages.core.runtime import setup_logging, setup_torch
+from stages.core.tasks import TASK_NAMES
+
+log = logging.getLogger("predict")
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(variant: str = typer.Option(..., "--variant", help="a key of `models:` in params.yaml"),
+         params_file: Path = typer.Option(Path("params.yaml")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         rejects_file: Path = typer.Option(Path("data/rejects.tsv")),
+         models_dir: Path = typer.Option(Path("models")),
+         predictions_dir: Path = typer.Option(Path("data/predictions")),
+         plots_dir: Path = typer.Option(Path("data/plots")),
+         metrics_dir: Path = typer.Option(Path("metrics"))) -> None:
+    setup_logging()
+    params = load_params(params_file).predict
+    device = setup_torch(seed=0, threads=params.threads)
+    model, _ = load_model(models_dir / variant)
+    model.to(device)
+    out_dir = predictions_dir / variant
+    dev_metrics = {}
+    for task in TASK_NAMES:
+        for split in ("dev", "test"):
+            data = load_split(tokenized_dir, task, split)
+            values = predict_split(model, data, params.batch_size, device, params.bf16)
+            write_dump(out_dir, task, split, data.ids, values)
+            write_submission(out_dir, task, split, data.ids, values, rejected_ids(rejects_file, task, split))
+            if split == "dev":
+                dev_metrics[task] = task_metrics(task, values, data.labels)
+                write_plot_tables(plots_dir / variant, task, values, data.labels)
+            log.info("%s-%s: %d predictions", task, split, len(data))
+    dev_metrics["overall"] = overall(dev_metrics)
+    io.write_json(metrics_dir / f"{variant}.json", dev_metrics)
+    log.info("%s dev: overall %.4f  sst acc %.4f  qqp acc %.4f  sts r %.4f", variant, dev_metrics["overall"],
+             dev_metrics["sst"]["accuracy"], dev_metrics["qqp"]["accuracy"], dev_metrics["sts"]["pearson"])
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,279 @@
+"""Stage `train@<variant>`: multitask fine-tuning of one variant, keeping the best epoch by dev overall.
+
+Resume: a checkpoint (model, optimiser, scheduler, RNG, sampler position, history) is written every
+train.checkpoint_every optimiser steps and at every epoch end to checkpoints/<variant>/; a killed run
+started again continues from it and ends as an uninterrupted run would. The folder is not a DVC
+output, so `dvc repro` does not wipe it; it is removed when the run finishes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import typer
+from tqdm.auto import tqdm
+
+from stages.core import io
+from stages.core.backbone import load_encoder, load_tokenizer
+from stages.core.batches import load_split
+from stages.core.checkpoint import load_checkpoint, rng_state, save_checkpoint, save_model, set_rng_state
+from stages.core.evaluation import evaluate
+from stages.core.model import MultitaskModel
+from stages.core.optim import make_optimizer
+from stages.core.params import Params, as_dict, variant_params
+from stages.core.runtime import setup_logging, setup_torch
+from stages.core.sampling import TaskStream, epoch_schedule
+from stages.core.tasks import TASK_NAMES, tokenized_path
+
+log = logging.getLogger("train")
+app = typer.Typer(add_completion=False)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. a non-finite loss)."""
+
+
+@dataclasses.dataclass
+class Paths:
+    tokenized: Path
+    model_out: Path
+    metrics_out: Path
+    live_dir: Path
+    checkpoints: Path
+
+
+@app.command()
+def main(variant: str = typer.Option(..., "--variant", help="a key of `models:` in params.yaml"),
+         params_file: Path = typer.Option(Path("params.yaml")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         models_dir: Path = typer.Option(Path("models")),
+         metrics_dir: Path = typer.Option(Path("metrics/train")),
+         checkpoints_dir: Path = typer.Option(Path("checkpoints"))) -> None:
+    setup_logging()
+    params = variant_params(params_file, variant)
+    paths = Paths(tokenized=tokenized_dir, model_out=models_dir / variant,
+                  metrics_out=metrics_dir / f"{variant}.json", live_dir=metrics_dir / variant,
+                  checkpoints=checkpoints_dir / variant)
+    summary = train(params, variant, paths)
+    log.info("done: best epoch %d, dev overall %.4f", summary["best_epoch"], summary["dev"]["overall"])
+
+
+class Trainer:
+    """The state of one run; `run()` goes from wherever the state is to the end."""
+
+    def __init__(self, params: Params, variant: str, paths: Paths):
+        self.params, self.variant, self.paths = params, variant, paths
+        self.p = params.train
+        self.device = setup_torch(self.p.seed, self.p.threads)
+        self.tokenizer = load_tokenizer(params.model.name)
+        self.model = MultitaskModel(load_encoder(params.model.name), params.heads).to(self.device)
+        self.train_data = {t: load_split(paths.tokenized, t, "train", self.p.max_examples) for t in TASK_NAMES}
+        self.dev_data = {t: load_split(paths.tokenized, t, "dev", self.p.max_examples) for t in TASK_NAMES}
+        self.streams = {t: TaskStream(split.lengths(self.model.encoding(t)), getattr(self.p.batch_size, t),
+                                      self.p.bucket_batches, self.p.seed, index)
+                        for index, (t, split) in enumerate(self.train_data.items())}
+        self.steps_per_epoch = len(self.schedule(0))
+        updates_per_epoch = math.ceil(self.steps_per_epoch / self.p.grad_accum)
+        num_layers = self.model.encoder.config.num_hidden_layers
+        self.optimizer, self.scheduler = make_optimizer(self.model, num_layers, self.p,
+                                                        updates_per_epoch * self.p.epochs)
+        self.fingerprint = run_fingerprint(params, paths.tokenized)
+        self.epoch, self.step_in_epoch, self.updates = 0, 0, 0
+        self.history: list[dict] = []
+        self.best = {"epoch": -1, "overall": -math.inf}
+        self.running = self._empty_running()
+        self.train_seconds = 0.0
+
+    def schedule(self, epoch: int) -> list[tuple[str, ...]]:
+        sizes = {t: len(split) for t, split in self.train_data.items()}
+        batches = {t: stream.batches_per_pass for t, stream in self.streams.items()}
+        return epoch_schedule(self.p.sampler, batches, sizes, seed=self.p.seed, epoch=epoch,
+                              epochs=self.p.epochs, temperature=self.p.temperature)
+
+    @staticmethod
+    def _empty_running() -> dict:
+        return {"loss_sum": {t: 0.0 for t in TASK_NAMES}, "batches": {t: 0 for t in TASK_NAMES},
+                "examples": 0, "tokens": 0}
+
+    # --- resume ---------------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"fingerprint": self.fingerprint, "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "rng": rng_state(), "streams": {t: s.state() for t, s in self.streams.items()},
+                "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "updates": self.updates,
+                "history": json.dumps(self.history), "best": json.dumps(self.best),
+                "running": json.dumps(self.running), "train_seconds": self.train_seconds}
+
+    def load_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        for task, stream in self.streams.items():
+            stream.load_state(state["streams"][task])
+        self.epoch, self.step_in_epoch, self.updates = state["epoch"], state["step_in_epoch"], state["updates"]
+        self.history, self.best = json.loads(state["history"]), json.loads(state["best"])
+        self.running, self.train_seconds = json.loads(state["running"]), state["train_seconds"]
+
+    def checkpoint(self) -> None:
+        save_checkpoint(self.paths.checkpoints / "last.pt", self.state())
+
+    # --- training -------------------------------------------------------------------------------
+    def run(self) -> dict:
+        state = load_checkpoint(self.paths.checkpoints / "last.pt", self.fingerprint)
+        if state is not None:
+            self.load_state(state)
+            log.info("resuming from epoch %d step %d", self.epoch + 1, self.step_in_epoch)
+        live = self._open_live()
+        log.info("%s: %d steps per epoch, %d epochs, sampler %s, %s parameters", self.variant,
+                 self.steps_per_epoch, self.p.epochs, self.p.sampler, f"{self.parameter_count():,}")
+        while self.epoch < self.p.epochs:
+            self._train_epoch()
+            self._end_epoch(live)
+        live.end()
+        return self._finish()
+
+    def _train_epoch(self) -> None:
+        schedule = self.schedule(self.epoch)
+        self.model.train()
+        started = time.perf_counter()
+        progress = tqdm(total=len(schedule), initial=self.step_in_epoch, desc=f"epoch {self.epoch + 1}",
+                        unit="step", mininterval=2.0)
+        while self.step_in_epoch < len(schedule):
+            tasks = schedule[self.step_in_epoch]
+            self._forward_backward(tasks)
+            self.step_in_epoch += 1
+            progress.update(1)
+            if self.step_in_epoch % self.p.grad_accum == 0 or self.step_in_epoch == len(schedule):
+                self._update()
+                if self.updates % self.p.checkpoint_every == 0 and self.step_in_epoch < len(schedule):
+                    self.train_seconds += time.perf_counter() - started
+                    started = time.perf_counter()
+                    self.checkpoint()
+        progress.close()
+        self.train_seconds += time.perf_counter() - started
+
+    def _forward_backward(self, tasks: tuple[str, ...]) -> None:
+        total = 0.0
+        for task in tasks:
+            rows = self.streams[task].next()
+            batch = {k: v.to(self.device) for k, v in
+                     self.train_data[task].batch(rows, self.model.encoding(task)).items()}
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.p.bf16):
+                outputs = self.model(task, batch)
+            loss = self.model.loss(task, outputs, batch["labels"])
+            if not torch.isfinite(loss):
+                raise TrainingError(f"non-finite {task} loss ({loss.item()}) at epoch {self.epoch + 1} step "
+                                    f"{self.step_in_epoch + 1}; the last good checkpoint is kept in "
+                                    f"{self.paths.checkpoints}. Lower train.lr or turn off train.bf16.")
+            total = total + self.loss_weight(task) * loss
+            self.running["loss_sum"][task] += loss.item()
+            self.running["batches"][task] += 1
+            self.running["examples"] += len(rows)
+            self.running["tokens"] += int(sum(v.sum() for k, v in batch.items() if k.startswith("attention_mask")))
+        (total / self.p.grad_accum).backward()
+
+    def loss_weight(self, task: str) -> float:
+        return getattr(self.params.heads, task).loss_weight
+
+    def _update(self) -> None:
+        if self.p.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.p.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+
+    def _end_epoch(self, live) -> None:
+        dev = evaluate(self.model, self.dev_data, self.p.eval_batch_size, self.device, self.p.bf16)
+        record = {"epoch": self.epoch + 1, "dev": dev,
+                  "train_loss": {t: self.running["loss_sum"][t] / max(self.running["batches"][t], 1)
+                                 for t in TASK_NAMES},
+                  "task_batches": dict(self.running["batches"]), "examples": self.running["examples"],
+                  "tokens": self.running["tokens"], "lr": self.scheduler.get_last_lr()[0]}
+        log.info("epoch %d: dev overall %.4f  sst acc %.4f  qqp acc %.4f  sts r %.4f  batches %s",
+                 self.epoch + 1, dev["overall"], dev["sst"]["accuracy"], dev["qqp"]["accuracy"],
+                 dev["sts"]["pearson"], record["task_batches"])
+        if dev["overall"] > self.best["overall"]:
+            self.best = {"epoch": self.epoch + 1, "overall": dev["overall"]}
+            save_model(self.model, self.tokenizer, self.paths.checkpoints / "best", self.model_config())
+        self.history.append(record)
+        self.epoch, self.step_in_epoch, self.running = self.epoch + 1, 0, self._empty_running()
+        self.checkpoint()
+        log_epoch(live, record)
+
+    # --- outputs --------------------------------------------------------------------------------
+    def _open_live(self):
+        """A fresh DVCLive folder with the history so far replayed, so a resumed run logs each epoch once."""
+        from dvclive import Live
+
+        shutil.rmtree(self.paths.live_dir, ignore_errors=True)
+        live = Live(dir=str(self.paths.live_dir), resume=False, report=None, save_dvc_exp=False, dvcyaml=None)
+        for record in self.history:
+            log_epoch(live, record)
+        return live
+
+    def model_config(self) -> dict:
+        config = as_dict(self.params)
+        config.pop("models")
+        return {"variant": self.variant, "params": config}
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def _finish(self) -> dict:
+        best_record = self.history[self.best["epoch"] - 1]
+        examples = sum(r["examples"] for r in self.history)
+        summary = {"variant": self.variant, "best_epoch": self.best["epoch"], "dev": best_record["dev"],
+                   "epochs": [{"epoch": r["epoch"], "dev_overall": r["dev"]["overall"],
+                               "train_loss": r["train_loss"], "task_batches": r["task_batches"]}
+                              for r in self.history],
+                   "parameters": self.parameter_count(),
+                   # The only part that differs between identical runs:
+                   "speed": {"train_seconds": round(self.train_seconds, 1),
+                             "examples_per_second": round(examples / max(self.train_seconds, 1e-9), 2),
+                             "tokens_per_second": round(sum(r["tokens"] for r in self.history)
+                                                        / max(self.train_seconds, 1e-9), 1)}}
+        shutil.rmtree(self.paths.model_out, ignore_errors=True)
+        shutil.copytree(self.paths.checkpoints / "best", self.paths.model_out)
+        io.write_json(self.paths.metrics_out, summary)
+        shutil.rmtree(self.paths.checkpoints, ignore_errors=True)
+        return summary
+
+
+def log_epoch(live, record: dict) -> None:
+    for task in TASK_NAMES:
+        for metric, value in record["dev"][task].items():
+            live.log_metric(f"dev/{task}/{metric}", value)
+        live.log_metric(f"train/{task}/loss", record["train_loss"][task])
+    live.log_metric("dev/overall", record["dev"]["overall"])
+    live.next_step()
+
+
+def run_fingerprint(params: Params, tokenized_dir: Path) -> str:
+    """Identifies a run: params (less the ones that do not change results) and the tokenized data."""
+    digest = hashlib.sha256()
+    relevant = as_dict(params)
+    relevant.pop("models")  # the other variants' overrides; this variant's are already merged in
+    relevant["train"] = {k: v for k, v in relevant["train"].items() if k not in ("threads", "checkpoint_every")}
+    digest.update(json.dumps(relevant, sort_keys=True).encode())
+    for task in TASK_NAMES:
+        for split in ("train", "dev"):
+            digest.update(tokenized_path(tokenized_dir, task, split).read_bytes())
+    return digest.hexdigest()
+
+
+def train(params: Params, variant: str, paths: Paths) -> dict:
+    return Trainer(params, variant, paths).run()
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,74 @@
+"""The whole pipeline through a real `dvc repro` in a temporary repository, on a 2-layer backbone."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import REPO_ROOT, make_params, synthetic_raw_files, write_raw_files
+
+
+def dvc(repo: Path, *args: str) -> str:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(["dvc", *args], cwd=repo, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, f"dvc {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, tiny_backbone) -> Path:
+    repo = tmp_path_factory.mktemp("repo")
+    shutil.copytree(REPO_ROOT / "stages", repo / "stages", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO_ROOT / "dvc.yaml", repo / "dvc.yaml")
+    make_params(repo, tiny_backbone, Path("data/raw"), train={"epochs": 1},
+                models={"plain": {}, "meanpool": {"heads": {"sst": {"pooling": "mean"}}, "train": {"seed": 1}}})
+    write_raw_files(repo / "data" / "raw", synthetic_raw_files(16))
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    dvc(repo, "init", "-q")
+    dvc(repo, "config", "core.analytics", "false")
+    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
+    subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "pipeline"], cwd=repo, check=True)  # DVCLive needs a commit
+    dvc(repo, "repro")
+    return repo
+
+
+def test_repro_builds_every_stage_output(repo):
+    for variant in ("plain", "meanpool"):
+        assert (repo / "models" / variant / "heads.safetensors").is_file()
+        metrics = json.loads((repo / "metrics" / f"{variant}.json").read_text())
+        assert set(metrics) == {"sst", "qqp", "sts", "overall"}
+        assert set(metrics["sst"]) == {"accuracy", "macro_f1"} and set(metrics["sts"]) == {"pearson", "spearman"}
+        dump = pq.read_table(repo / "data" / "predictions" / variant / "sst-dev.parquet")
+        assert dump.column_names == ["id", "prob_0", "prob_1", "prob_2", "prob_3", "prob_4", "label"]
+    ensemble = json.loads((repo / "metrics" / "ensemble.json").read_text())
+    for task in ("sst", "qqp", "sts"):
+        assert sum(ensemble[task]["members"].values()) >= 1
+        assert set(ensemble[task]["members"]) <= {"plain", "meanpool"}
+        assert sum(ensemble[task]["honest"]["half_sizes"]) == 16
+
+
+def test_submissions_list_every_raw_test_id_once(repo):
+    for prefix, id_letter, column in (("sst", "s", "Predicted_Sentiment"), ("para", "q", "Predicted_Is_Paraphrase"),
+                                      ("sts", "t", "Predicted_Similiarity")):
+        frame = pd.read_csv(repo / "data" / "ensemble" / f"{prefix}-test-output.csv")
+        assert frame.columns.tolist() == ["id", column]
+        assert sorted(frame["id"]) == sorted(f"test-{id_letter}{i}" for i in range(16))
+
+
+def test_second_repro_does_nothing_and_status_is_clean(repo):
+    assert "Running stage" not in dvc(repo, "repro")
+    assert "up to date" in dvc(repo, "status")
+
+
+def test_plots_render(repo):
+    output = dvc(repo, "plots", "show", "--json")
+    shown = json.loads(output)["data"]
+    assert any("sst_confusion.csv" in name for name in shown)
+    assert any("dev/overall.tsv" in name for name in shown)

@@ -1,0 +1,85 @@
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from stages.core.batches import bucketed_batches
+from stages.core.sampling import TaskStream, epoch_schedule, sampling_weights
+
+SIZES = {"sst": 8000, "qqp": 14000, "sts": 6000}
+BATCHES = {"sst": 250, "qqp": 438, "sts": 188}  # batches per pass at batch size 32
+
+
+def counts(sampler: str, epoch: int = 0, epochs: int = 3, temperature: float = 2.0) -> Counter:
+    schedule = epoch_schedule(sampler, BATCHES, SIZES, seed=0, epoch=epoch, epochs=epochs, temperature=temperature)
+    return Counter(task for step in schedule for task in step)
+
+
+def shares(counter: Counter) -> dict[str, float]:
+    total = sum(counter.values())
+    return {task: count / total for task, count in counter.items()}
+
+
+def test_round_robin_cycles_the_tasks_in_order():
+    schedule = epoch_schedule("round_robin", BATCHES, SIZES, seed=0, epoch=0, epochs=1, temperature=1)
+    assert schedule[:4] == [("sst",), ("qqp",), ("sts",), ("sst",)]
+    assert len(schedule) == sum(BATCHES.values())
+
+
+def test_shuffled_draws_every_batch_of_every_task_exactly_once():
+    assert counts("shuffled") == Counter(BATCHES)
+
+
+def test_joint_takes_every_task_each_step_over_a_third_as_many_steps():
+    schedule = epoch_schedule("joint", BATCHES, SIZES, seed=0, epoch=0, epochs=1, temperature=1)
+    assert set(schedule) == {("sst", "qqp", "sts")}
+    assert len(schedule) == round(sum(BATCHES.values()) / 3)
+
+
+def test_proportional_follows_dataset_sizes():
+    observed = shares(counts("proportional"))
+    for task, size in SIZES.items():
+        assert observed[task] == pytest.approx(size / sum(SIZES.values()), abs=0.03)
+
+
+def test_temperature_flattens_towards_uniform():
+    weights = sampling_weights("temperature", SIZES, epoch=0, epochs=1, temperature=2.0)
+    expected = {t: np.sqrt(n) / sum(np.sqrt(list(SIZES.values()))) for t, n in SIZES.items()}
+    assert weights == pytest.approx(expected)
+    assert shares(counts("temperature")) == pytest.approx(expected, abs=0.03)
+
+
+def test_annealed_moves_from_proportional_to_alpha_0_2():
+    first = sampling_weights("annealed", SIZES, epoch=0, epochs=5, temperature=1)
+    last = sampling_weights("annealed", SIZES, epoch=4, epochs=5, temperature=1)
+    assert first == pytest.approx(sampling_weights("proportional", SIZES, epoch=0, epochs=5, temperature=1))
+    alpha = 0.2  # 1 - 0.8 * e / (E - 1) at the last epoch
+    total = sum(n ** alpha for n in SIZES.values())
+    assert last == pytest.approx({t: n ** alpha / total for t, n in SIZES.items()})
+
+
+def test_schedules_are_reproducible_and_differ_between_epochs():
+    assert counts("proportional", epoch=1) == counts("proportional", epoch=1)
+    one = epoch_schedule("proportional", BATCHES, SIZES, seed=0, epoch=0, epochs=2, temperature=1)
+    two = epoch_schedule("proportional", BATCHES, SIZES, seed=0, epoch=1, epochs=2, temperature=1)
+    assert one != two
+
+
+def test_bucketed_batches_cover_every_example_once_with_little_padding():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 120, size=1000)
+    batches = bucketed_batches(lengths, 32, 10, np.random.default_rng(1))
+    assert sorted(np.concatenate(batches).tolist()) == list(range(1000))
+    padded = sum(len(b) * lengths[b].max() for b in batches)
+    unbucketed = bucketed_batches(lengths, 32, 1, np.random.default_rng(1))
+    assert padded < 0.8 * sum(len(b) * lengths[b].max() for b in unbucketed)
+
+
+def test_stream_resumes_at_its_saved_position():
+    lengths = np.arange(10)
+    stream = TaskStream(lengths, 4, 1, seed=3, stream_id=0)
+    for _ in range(4):  # past the end of the first pass (3 batches)
+        stream.next()
+    copy = TaskStream(lengths, 4, 1, seed=3, stream_id=0)
+    copy.load_state(stream.state())
+    assert [stream.next().tolist() for _ in range(5)] == [copy.next().tolist() for _ in range(5)]

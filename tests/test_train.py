@@ -1,0 +1,103 @@
+"""Training end to end on a 2-layer slice of the real backbone: resume after kill -9, determinism, NaN guard."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from stages.core.params import variant_params
+from stages.train import Paths, Trainer, TrainingError
+from tests.conftest import REPO_ROOT, make_params
+
+
+def train_command(params: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "stages.train", "--variant", "base", "--params-file", str(params),
+            "--tokenized-dir", str(out.parent / "tok"), "--models-dir", str(out / "models"),
+            "--metrics-dir", str(out / "metrics"), "--checkpoints-dir", str(out / "ck")]
+
+
+def run_training(params: Path, tokenized: Path, out: Path) -> dict:
+    command = train_command(params, out)
+    command[command.index("--tokenized-dir") + 1] = str(tokenized)
+    subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True)
+    return result_of(out)
+
+
+def result_of(out: Path) -> dict:
+    summary = json.loads((out / "metrics" / "base.json").read_text())
+    summary.pop("speed")
+    heads = load_file(str(out / "models" / "base" / "heads.safetensors"))
+    return {"summary": summary, "heads": {k: v.tolist() for k, v in heads.items()}}
+
+
+@pytest.fixture(scope="module")
+def training_params(tmp_path_factory, tiny_backbone) -> Path:
+    return make_params(tmp_path_factory.mktemp("params"), tiny_backbone, Path("unused"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, training_params, tiny_tokenized) -> dict:
+    return run_training(training_params, tiny_tokenized, tmp_path_factory.mktemp("run_a"))
+
+
+def test_same_params_and_seed_give_identical_metrics(tmp_path, training_params, tiny_tokenized, uninterrupted):
+    again = run_training(training_params, tiny_tokenized, tmp_path)
+    assert again == uninterrupted
+    # An epoch is one pass worth of batches: 16 examples / batch 4 = 4 per task, 12 in all.
+    assert sum(uninterrupted["summary"]["epochs"][0]["task_batches"].values()) == 12
+
+
+def test_resume_after_kill_9_equals_an_uninterrupted_run(tmp_path, training_params, tiny_tokenized,
+                                                         uninterrupted):
+    command = train_command(training_params, tmp_path)
+    command[command.index("--tokenized-dir") + 1] = str(tiny_tokenized)
+    checkpoint = tmp_path / "ck" / "base" / "last.pt"
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not checkpoint.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, "training finished before it could be killed"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert checkpoint.exists()
+    assert not (tmp_path / "metrics" / "base.json").exists()
+    subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True)
+    assert result_of(tmp_path) == uninterrupted
+    assert not (tmp_path / "ck" / "base").exists()  # removed once the run is complete
+
+
+def test_model_folder_reloads_with_transformers(tmp_path, training_params, tiny_tokenized, uninterrupted):
+    from transformers import AutoModel, AutoTokenizer
+    run = tmp_path / "reload"
+    run_training(training_params, tiny_tokenized, run)
+    folder = run / "models" / "base"
+    assert AutoModel.from_pretrained(folder / "encoder").config.num_hidden_layers == 2
+    assert AutoTokenizer.from_pretrained(folder / "encoder")("a film")["input_ids"][0] == 101
+    config = json.loads((folder / "mtbert.json").read_text())
+    assert config["variant"] == "base" and config["params"]["train"]["epochs"] == 2
+
+
+def test_non_finite_loss_stops_naming_step_and_task(tmp_path, training_params, tiny_tokenized, monkeypatch):
+    params = variant_params(training_params, "base")
+    paths = Paths(tokenized=tiny_tokenized, model_out=tmp_path / "m", metrics_out=tmp_path / "m.json",
+                  live_dir=tmp_path / "live", checkpoints=tmp_path / "ck")
+    trainer = Trainer(params, "base", paths)
+    real_loss = trainer.model.loss
+    calls = {"n": 0}
+
+    def poisoned_loss(task, outputs, labels):
+        calls["n"] += 1
+        loss = real_loss(task, outputs, labels)
+        return loss * float("nan") if calls["n"] == 5 else loss
+
+    monkeypatch.setattr(trainer.model, "loss", poisoned_loss)
+    with pytest.raises(TrainingError, match=r"non-finite (sst|qqp|sts) loss \(nan\) at epoch 1 step 5"):
+        trainer.run()
+    assert (tmp_path / "ck" / "last.pt").exists()  # written after update 3, before the bad step
+    assert not (tmp_path / "m.json").exists()
