@@ -83,3 +83,15 @@ def test_stream_resumes_at_its_saved_position():
     copy = TaskStream(lengths, 4, 1, seed=3, stream_id=0)
     copy.load_state(stream.state())
     assert [stream.next().tolist() for _ in range(5)] == [copy.next().tolist() for _ in range(5)]
+
+
+def test_token_column_of_a_sliced_table_pads_the_right_rows():
+    import pyarrow as pa
+
+    from stages.core.batches import TokenColumn
+
+    table = pa.table({"ids": pa.array([[1], [2, 3], [4, 5, 6], [7]], pa.list_(pa.int32()))}).slice(1, 2)
+    column = TokenColumn.from_arrow(table.column("ids"))
+    ids, mask = column.padded(np.array([0, 1]))
+    assert ids.tolist() == [[2, 3, 0], [4, 5, 6]]
+    assert mask.tolist() == [[1, 1, 0], [1, 1, 1]]

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from safetensors.torch import load_file
 
@@ -101,3 +102,12 @@ def test_non_finite_loss_stops_naming_step_and_task(tmp_path, training_params, t
         trainer.run()
     assert (tmp_path / "ck" / "last.pt").exists()  # written after update 3, before the bad step
     assert not (tmp_path / "m.json").exists()
+
+
+def test_bf16_autocast_trains_on_cpu(tmp_path, tiny_backbone, tiny_tokenized):
+    params_file = make_params(tmp_path, tiny_backbone, Path("unused"), train={"bf16": True, "epochs": 1})
+    paths = Paths(tokenized=tiny_tokenized, model_out=tmp_path / "m", metrics_out=tmp_path / "m.json",
+                  live_dir=tmp_path / "live", checkpoints=tmp_path / "ck")
+    summary = Trainer(variant_params(params_file, "base"), "base", paths).run()
+    assert all(np.isfinite(loss) for loss in summary["epochs"][0]["train_loss"].values())
+    assert -1.0 <= summary["dev"]["sts"]["pearson"] <= 1.0

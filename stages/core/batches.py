@@ -27,8 +27,8 @@ class TokenColumn:
     def from_arrow(cls, column: pa.ChunkedArray) -> TokenColumn:
         array = column.combine_chunks()
         offsets = array.offsets.to_numpy().astype(np.int64)
-        values = array.values.to_numpy().astype(np.int64)
-        return cls(values, offsets - offsets[0]) if offsets[0] else cls(values, offsets)
+        # flatten() honours a slice; the offsets of a sliced array still count from the unsliced start.
+        return cls(array.flatten().to_numpy().astype(np.int64), offsets - offsets[0])
 
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
