@@ -20,7 +20,7 @@ repro: install
 	dvc repro
 
 lint: install
-	ruff check stages tests
+	ruff check stages tests bench
 
 test: lint
 	pytest

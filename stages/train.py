@@ -27,6 +27,7 @@ from stages.core.batches import load_split
 from stages.core.checkpoint import load_checkpoint, rng_state, save_checkpoint, save_model, set_rng_state
 from stages.core.evaluation import evaluate
 from stages.core.model import MultitaskModel
+from stages.core.objective import BatchLoss, Objective
 from stages.core.optim import make_optimizer
 from stages.core.params import Params, as_dict, variant_params
 from stages.core.runtime import setup_logging, setup_torch
@@ -85,6 +86,7 @@ class Trainer:
         num_layers = self.model.encoder.config.num_hidden_layers
         self.optimizer, self.scheduler = make_optimizer(self.model, num_layers, self.p,
                                                         updates_per_epoch * self.p.epochs)
+        self.objective = Objective(self.model, params.smart, self.device, self.p.bf16, self.p.seed)
         self.fingerprint = run_fingerprint(params, paths.tokenized)
         self.epoch, self.step_in_epoch, self.updates = 0, 0, 0
         self.history: list[dict] = []
@@ -101,12 +103,13 @@ class Trainer:
     @staticmethod
     def _empty_running() -> dict:
         return {"loss_sum": {t: 0.0 for t in TASK_NAMES}, "batches": {t: 0 for t in TASK_NAMES},
-                "examples": 0, "tokens": 0}
+                "examples": 0, "tokens": 0, "regularisers": {}}
 
     # --- resume ---------------------------------------------------------------------------------
     def state(self) -> dict:
         return {"fingerprint": self.fingerprint, "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "objective": self.objective.state_dict(),
                 "rng": rng_state(), "streams": {t: s.state() for t, s in self.streams.items()},
                 "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "updates": self.updates,
                 "history": json.dumps(self.history), "best": json.dumps(self.best),
@@ -116,6 +119,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.objective.load_state_dict(state["objective"])
         set_rng_state(state["rng"])
         for task, stream in self.streams.items():
             stream.load_state(state["streams"][task])
@@ -149,11 +153,11 @@ class Trainer:
                         unit="step", mininterval=2.0)
         while self.step_in_epoch < len(schedule):
             tasks = schedule[self.step_in_epoch]
-            self._forward_backward(tasks)
+            self.forward_backward(tasks)
             self.step_in_epoch += 1
             progress.update(1)
             if self.step_in_epoch % self.p.grad_accum == 0 or self.step_in_epoch == len(schedule):
-                self._update()
+                self.update()
                 if self.updates % self.p.checkpoint_every == 0 and self.step_in_epoch < len(schedule):
                     self.train_seconds += time.perf_counter() - started
                     started = time.perf_counter()
@@ -161,35 +165,40 @@ class Trainer:
         progress.close()
         self.train_seconds += time.perf_counter() - started
 
-    def _forward_backward(self, tasks: tuple[str, ...]) -> None:
+    def forward_backward(self, tasks: tuple[str, ...]) -> None:
         total = 0.0
         for task in tasks:
             rows = self.streams[task].next()
             batch = {k: v.to(self.device) for k, v in
                      self.train_data[task].batch(rows, self.model.encoding(task)).items()}
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.p.bf16):
-                outputs = self.model(task, batch)
-            loss = self.model.loss(task, outputs, batch["labels"])
-            if not torch.isfinite(loss):
-                raise TrainingError(f"non-finite {task} loss ({loss.item()}) at epoch {self.epoch + 1} step "
+            result = self.objective(self.model, task, batch)
+            if not torch.isfinite(result.total):
+                raise TrainingError(f"non-finite {task} loss ({result.total.item()}) at epoch {self.epoch + 1} step "
                                     f"{self.step_in_epoch + 1}; the last good checkpoint is kept in "
                                     f"{self.paths.checkpoints}. Lower train.lr or turn off train.bf16.")
-            total = total + self.loss_weight(task) * loss
-            self.running["loss_sum"][task] += loss.item()
-            self.running["batches"][task] += 1
-            self.running["examples"] += len(rows)
-            self.running["tokens"] += int(sum(v.sum() for k, v in batch.items() if k.startswith("attention_mask")))
+            total = total + result.total
+            self._count(task, rows, batch, result)
         (total / self.p.grad_accum).backward()
 
-    def loss_weight(self, task: str) -> float:
-        return getattr(self.params.heads, task).loss_weight
+    def _count(self, task: str, rows, batch: dict[str, torch.Tensor], result: BatchLoss) -> None:
+        running = self.running
+        running["loss_sum"][task] += result.task_loss
+        running["batches"][task] += 1
+        running["examples"] += len(rows)
+        running["tokens"] += int(sum(v.sum() for k, v in batch.items() if k.startswith("attention_mask")))
+        for name in ("smart_loss", "bregman_loss", "delta_ratio"):
+            value = getattr(result, name)
+            if value is not None:
+                total, count = running["regularisers"].get(f"{task}/{name}", (0.0, 0))
+                running["regularisers"][f"{task}/{name}"] = (total + value, count + 1)
 
-    def _update(self) -> None:
+    def update(self) -> None:
         if self.p.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.p.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.objective.after_update(self.model)
         self.updates += 1
 
     def _end_epoch(self, live) -> None:
@@ -198,10 +207,15 @@ class Trainer:
                   "train_loss": {t: self.running["loss_sum"][t] / max(self.running["batches"][t], 1)
                                  for t in TASK_NAMES},
                   "task_batches": dict(self.running["batches"]), "examples": self.running["examples"],
-                  "tokens": self.running["tokens"], "lr": self.scheduler.get_last_lr()[0]}
+                  "tokens": self.running["tokens"], "lr": self.scheduler.get_last_lr()[0],
+                  "regularisers": {name: total / count
+                                   for name, (total, count) in sorted(self.running["regularisers"].items())}}
         log.info("epoch %d: dev overall %.4f  sst acc %.4f  qqp acc %.4f  sts r %.4f  batches %s",
                  self.epoch + 1, dev["overall"], dev["sst"]["accuracy"], dev["qqp"]["accuracy"],
                  dev["sts"]["pearson"], record["task_batches"])
+        if record["regularisers"]:
+            log.info("epoch %d regularisers (batch means): %s", self.epoch + 1,
+                     ", ".join(f"{k} {v:.3g}" for k, v in record["regularisers"].items()))
         if dev["overall"] > self.best["overall"]:
             self.best = {"epoch": self.epoch + 1, "overall": dev["overall"]}
             save_model(self.model, self.tokenizer, self.paths.checkpoints / "best", self.model_config())
@@ -234,7 +248,8 @@ class Trainer:
         examples = sum(r["examples"] for r in self.history)
         summary = {"variant": self.variant, "best_epoch": self.best["epoch"], "dev": best_record["dev"],
                    "epochs": [{"epoch": r["epoch"], "dev_overall": r["dev"]["overall"],
-                               "train_loss": r["train_loss"], "task_batches": r["task_batches"]}
+                               "train_loss": r["train_loss"], "task_batches": r["task_batches"],
+                               **({"regularisers": r["regularisers"]} if r["regularisers"] else {})}
                               for r in self.history],
                    "parameters": self.parameter_count(),
                    # The only part that differs between identical runs:
@@ -254,6 +269,8 @@ def log_epoch(live, record: dict) -> None:
         for metric, value in record["dev"][task].items():
             live.log_metric(f"dev/{task}/{metric}", value)
         live.log_metric(f"train/{task}/loss", record["train_loss"][task])
+    for name, value in record["regularisers"].items():
+        live.log_metric(f"train/{name}", value)
     live.log_metric("dev/overall", record["dev"]["overall"])
     live.next_step()
 

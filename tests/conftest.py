@@ -99,7 +99,8 @@ def tiny_backbone(tmp_path_factory) -> Path:
     return path
 
 
-def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, train=None, heads=None, models=None) -> Path:
+def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, train=None, heads=None, smart=None,
+                models=None) -> Path:
     """A params.yaml for tests: the repository's, pointed at the test data and the small backbone."""
     import yaml
 
@@ -113,6 +114,7 @@ def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, train=None, he
                            checkpoint_every=3, threads=1, bucket_batches=2)
     params["train"] = deep_merge(params["train"], train or {})
     params["heads"] = deep_merge(params["heads"], heads or {})
+    params["smart"] = deep_merge(params["smart"], smart or {})
     params["models"] = models or {"base": {}}
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))

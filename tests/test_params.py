@@ -37,6 +37,10 @@ def with_value(raw: dict, dotted_key: str, value) -> dict:
     ("data.unescape_ptb", ["sst", "mnli"], "data.unescape_ptb[1]: expected one of 'sst', 'qqp', 'sts'"),
     ("data.unescape_ptb", "sst", "data.unescape_ptb: expected a list"),
     ("model.name", "", "model.name: expected a non-empty string"),
+    ("smart.lambda", -1, "smart.lambda: expected a value >= 0.0, got -1"),
+    ("smart.task_lambda.sst", "high", "smart.task_lambda.sst: expected a finite number, got 'high'"),
+    ("smart.norm", "l1", "smart.norm: expected one of 'inf', 'l2', got 'l1'"),
+    ("smart.beta", 1.0, "smart.beta: expected a value < 1.0, got 1.0"),
     ("model", "bert", "model: expected a mapping"),
 ])
 def test_bad_values_name_the_key_and_what_was_expected(raw_params, key, value, message):
@@ -82,3 +86,17 @@ def test_bad_variant_override_names_the_variant_and_key(raw_params):
     raw_params["models"] = {"bad name": {}}
     with pytest.raises(ParamsError, match=r"models.bad name: a variant name may use"):
         parse_params(raw_params)
+
+
+def test_smart_lambda_is_keyed_as_in_params_yaml(raw_params):
+    from stages.core.params import as_dict
+
+    raw = with_value(raw_params, "smart.lambda", 10)
+    raw["smart"]["task_lambda"] = {"sst": None, "qqp": 0, "sts": 2.5}
+    params = parse_params(raw)
+    assert params.smart.lambda_ == 10.0
+    assert [params.smart.task_weight(t) for t in ("sst", "qqp", "sts")] == [10.0, 0.0, 2.5]
+    assert as_dict(params)["smart"]["lambda"] == 10.0 and "lambda_" not in as_dict(params)["smart"]
+    raw["smart"]["lambda_"] = raw["smart"].pop("lambda")
+    with pytest.raises(ParamsError, match="unknown key 'smart.lambda_'; smart accepts: lambda, task_lambda"):
+        parse_params(raw)

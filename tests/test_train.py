@@ -111,3 +111,42 @@ def test_bf16_autocast_trains_on_cpu(tmp_path, tiny_backbone, tiny_tokenized):
     summary = Trainer(variant_params(params_file, "base"), "base", paths).run()
     assert all(np.isfinite(loss) for loss in summary["epochs"][0]["train_loss"].values())
     assert -1.0 <= summary["dev"]["sts"]["pearson"] <= 1.0
+
+
+def test_smart_and_teacher_resume_after_a_crash_like_an_uninterrupted_run(tmp_path, tiny_backbone, tiny_tokenized,
+                                                                          monkeypatch):
+    params_file = make_params(tmp_path, tiny_backbone, Path("unused"), heads={"sts": {"encoding": "bi"}},
+                              smart={"lambda": 1.0, "task_lambda": {"qqp": 0.0}, "mu": 1.0, "beta": 0.9,
+                                     "epsilon": 1.0e-2, "eta": 1.0e-2})
+    params = variant_params(params_file, "base")
+
+    def paths(name: str) -> Paths:
+        return Paths(tokenized=tiny_tokenized, model_out=tmp_path / name / "model",
+                     metrics_out=tmp_path / name / "metrics.json", live_dir=tmp_path / name / "live",
+                     checkpoints=tmp_path / name / "ck")
+
+    uninterrupted = Trainer(params, "base", paths("a")).run()
+
+    crashing = Trainer(params, "base", paths("b"))
+    real_update = crashing.update
+
+    def update_then_crash():
+        real_update()
+        if crashing.updates == 5:  # after the checkpoint at update 3, mid-epoch
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(crashing, "update", update_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        crashing.run()
+    resumed = Trainer(params, "base", paths("b")).run()
+
+    for summary in (uninterrupted, resumed):
+        summary.pop("speed")
+    assert resumed == uninterrupted
+    regularisers = uninterrupted["epochs"][0]["regularisers"]
+    assert set(regularisers) == {"sst/smart_loss", "sst/delta_ratio", "sts/smart_loss", "sts/delta_ratio",
+                                 "sst/bregman_loss", "qqp/bregman_loss", "sts/bregman_loss"}
+    assert 0 < regularisers["sst/delta_ratio"] < 1
+    heads_a = load_file(str(tmp_path / "a" / "model" / "heads.safetensors"))
+    heads_b = load_file(str(tmp_path / "b" / "model" / "heads.safetensors"))
+    assert all(np.array_equal(heads_a[k].numpy(), heads_b[k].numpy()) for k in heads_a)

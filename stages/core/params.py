@@ -28,9 +28,16 @@ class ParamsError(ValueError):
 
 
 def _bounded(*, ge: float | None = None, gt: float | None = None, le: float | None = None,
-             lt: float | None = None) -> Any:
-    """A required dataclass field whose numeric value must lie in the given bounds."""
-    return dataclasses.field(metadata={"ge": ge, "gt": gt, "le": le, "lt": lt})
+             lt: float | None = None, key: str | None = None) -> Any:
+    """A required dataclass field whose numeric value must lie in the given bounds.
+
+    `key` is its name in params.yaml when that is not a valid Python name (e.g. `lambda`).
+    """
+    return dataclasses.field(metadata={"ge": ge, "gt": gt, "le": le, "lt": lt, "key": key})
+
+
+def _yaml_key(field: dataclasses.Field) -> str:
+    return field.metadata.get("key") or field.name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +122,33 @@ class TrainParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class TaskLambdas:
+    """Per-task overrides of smart.lambda; null inherits it, 0 turns SMART off for that task."""
+    sst: float | None = _bounded(ge=0.0)
+    qqp: float | None = _bounded(ge=0.0)
+    sts: float | None = _bounded(ge=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SmartParams:
+    """SMART adversarial regularisation and the Bregman proximal-point teacher (Jiang et al. 2020)."""
+    lambda_: float = _bounded(ge=0.0, key="lambda")  # weight of the adversarial term; 0 turns SMART off
+    task_lambda: TaskLambdas
+    epsilon: float = _bounded(gt=0.0)  # radius of the ball around each token's word embedding
+    sigma: float = _bounded(ge=0.0)  # std of the initial noise
+    eta: float = _bounded(gt=0.0)  # ascent step size
+    steps: int = _bounded(ge=0)  # K ascent steps
+    norm: Literal["inf", "l2"]
+    dropout: Literal["same", "off"]  # the regularisers' pairs: same dropout masks, or dropout off in both
+    mu: float = _bounded(ge=0.0)  # weight of the Bregman term; 0 turns the teacher off
+    beta: float = _bounded(ge=0.0, lt=1.0)  # teacher momentum
+
+    def task_weight(self, task: str) -> float:
+        override = getattr(self.task_lambda, task)
+        return self.lambda_ if override is None else override
+
+
+@dataclasses.dataclass(frozen=True)
 class PredictParams:
     batch_size: int = _bounded(ge=1)
     bf16: bool
@@ -134,6 +168,7 @@ class Params:
     model: ModelParams
     heads: HeadsParams
     train: TrainParams
+    smart: SmartParams
     predict: PredictParams
     ensemble: EnsembleParams
     models: dict[str, dict]  # named variants: overrides deep-merged over the sections above
@@ -204,16 +239,22 @@ def deep_merge(base: dict, overrides: dict) -> dict:
     return merged
 
 
-def as_dict(params: Any) -> dict[str, Any]:
-    """Plain nested dict of a params dataclass, e.g. to save beside a model."""
-    return dataclasses.asdict(params)
+def as_dict(params: Any) -> Any:
+    """Plain nested dict of a params dataclass, keyed as in params.yaml, e.g. to save beside a model."""
+    if dataclasses.is_dataclass(params):
+        return {_yaml_key(f): as_dict(getattr(params, f.name)) for f in dataclasses.fields(params)}
+    if isinstance(params, dict):
+        return {key: as_dict(value) for key, value in params.items()}
+    if isinstance(params, list):
+        return [as_dict(value) for value in params]
+    return params
 
 
 def _build(cls: type, raw: Any, key: str) -> Any:
     label = key or "the top level"
     if not isinstance(raw, dict):
         raise ParamsError(f"{label}: expected a mapping, got {type(raw).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {_yaml_key(f): f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(raw) - set(fields))
     if unknown:
@@ -225,9 +266,9 @@ def _build(cls: type, raw: Any, key: str) -> Any:
     values = {}
     for name, field in fields.items():
         full_key = _join(key, name)
-        value = _convert(hints[name], raw[name], full_key)
+        value = _convert(hints[field.name], raw[name], full_key)
         _check_bounds(field.metadata, value, full_key)
-        values[name] = value
+        values[field.name] = value
     return cls(**values)
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: each measures its baseline in the same run and prints ratios, never absolute timings alone."""

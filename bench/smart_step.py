@@ -1,0 +1,97 @@
+"""Step time of SMART (K ascent steps, default 1) against plain training, measured in the same run.
+
+    python -m bench.smart_step [--steps 40]
+
+Both objectives drive the `train` stage's own Trainer on the default variant: the same model, the same
+real batches (the first steps of its first epoch), a step being forward, backward and the optimiser
+update. They alternate in blocks, so drift in the machine's speed hits both alike. Needs data/tokenized
+(`dvc repro tokenize`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import typer
+
+from stages.core.objective import Objective
+from stages.core.params import variant_params
+from stages.core.runtime import setup_logging
+from stages.train import Paths, Trainer
+
+TARGET_RATIO = 2.5
+app = typer.Typer(add_completion=False)
+
+
+def smart_objective(trainer: Trainer, steps: int) -> Objective:
+    """SMART on every task (lambda 1, K = steps), no teacher; the rest of smart.* as in params.yaml."""
+    params = trainer.params.smart
+    every_task = dataclasses.replace(params.task_lambda, sst=None, qqp=None, sts=None)
+    smart = dataclasses.replace(params, lambda_=1.0, task_lambda=every_task, steps=steps, mu=0.0)
+    return Objective(trainer.model, smart, trainer.device, trainer.p.bf16, trainer.p.seed)
+
+
+def plain_objective(trainer: Trainer) -> Objective:
+    plain = dataclasses.replace(trainer.params.smart, lambda_=0.0, mu=0.0)
+    return Objective(trainer.model, plain, trainer.device, trainer.p.bf16, trainer.p.seed)
+
+
+def timed_steps(trainer: Trainer, objective: Objective, schedule: list[tuple[str, ...]]) -> list[float]:
+    trainer.objective = objective
+    seconds = []
+    for tasks in schedule:
+        started = time.perf_counter()
+        trainer.forward_backward(tasks)
+        trainer.update()
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+@app.command()
+def main(steps: int = typer.Option(40, help="timed steps per objective"),
+         block: int = typer.Option(5, help="steps per block; the objectives alternate block by block"),
+         smart_steps: int = typer.Option(1, help="K, the ascent steps of SMART"),
+         variant: str = typer.Option("base"),
+         params_file: Path = typer.Option(Path("params.yaml")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         json_out: Path = typer.Option(None, help="also write the figures here")) -> None:
+    setup_logging()
+    params = variant_params(params_file, variant)
+    with tempfile.TemporaryDirectory() as scratch:
+        paths = Paths(tokenized=tokenized_dir, model_out=Path(scratch), metrics_out=Path(scratch),
+                      live_dir=Path(scratch), checkpoints=Path(scratch))
+        trainer = Trainer(params, variant, paths)
+        trainer.model.train()
+        plain, smart = plain_objective(trainer), smart_objective(trainer, smart_steps)
+        schedule = trainer.schedule(0)[: block + steps]
+        for objective in (plain, smart):  # warm-up, untimed
+            timed_steps(trainer, objective, schedule[:block])
+        times: dict[str, list[float]] = {"plain": [], "smart": []}
+        for start in range(block, len(schedule), block):
+            for name, objective in (("plain", plain), ("smart", smart)):
+                times[name] += timed_steps(trainer, objective, schedule[start:start + block])
+    report(times, smart_steps, json_out)
+
+
+def report(times: dict[str, list[float]], smart_steps: int, json_out: Path | None) -> None:
+    ratio = sum(times["smart"]) / sum(times["plain"])
+    figures = {name: {"mean_step_seconds": round(statistics.fmean(t), 4),
+                      "median_step_seconds": round(statistics.median(t), 4)} for name, t in times.items()}
+    figures.update(ratio=round(ratio, 3), target=TARGET_RATIO, smart_steps=smart_steps,
+                   timed_steps=len(times["plain"]))
+    print(f"plain step {figures['plain']['mean_step_seconds']:.3f} s, SMART(K={smart_steps}) step "
+          f"{figures['smart']['mean_step_seconds']:.3f} s (means over the same {len(times['plain'])} batches)")
+    print(f"SMART/plain step time: {ratio:.2f}x (target <= {TARGET_RATIO}x: "
+          f"{'met' if ratio <= TARGET_RATIO else 'NOT met'})")
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,244 @@
+"""SMART and the Bregman teacher on a 2-layer slice of the real backbone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from stages.core.checkpoint import load_checkpoint, save_checkpoint
+from stages.core.model import MultitaskModel
+from stages.core.objective import Objective
+from stages.core.params import load_params, parse_section
+from stages.core.smart import (
+    EmaTeacher,
+    RngReplay,
+    Smart,
+    WordPerturbation,
+    divergence,
+    project,
+    squared_error,
+    symmetric_kl_bernoulli,
+    symmetric_kl_softmax,
+)
+from tests.conftest import REPO_ROOT
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def params():
+    return load_params(REPO_ROOT / "params.yaml")
+
+
+def smart_params(params, **changes):
+    return dataclasses.replace(params.smart, **{"lambda_": 1.0, **changes})
+
+
+@pytest.fixture
+def model(params, tiny_backbone):
+    from stages.core.backbone import load_encoder
+
+    torch.manual_seed(0)
+    return MultitaskModel(load_encoder(str(tiny_backbone)), params.heads).train()
+
+
+@pytest.fixture(scope="module")
+def batches(tokenizer):
+    def pair_batch(encoding):
+        first, second = ["a dog runs in the park", "rain"], ["a dog is running", "it is sunny today, not raining"]
+        if encoding == "cross":
+            encoded = tokenizer(first, second, padding=True, return_tensors="pt")
+            return {**encoded, "labels": torch.tensor([1.0, 0.0])}
+        one, two = tokenizer(first, padding=True, return_tensors="pt"), tokenizer(second, padding=True,
+                                                                                   return_tensors="pt")
+        return {"input_ids_1": one["input_ids"], "attention_mask_1": one["attention_mask"],
+                "input_ids_2": two["input_ids"], "attention_mask_2": two["attention_mask"],
+                "labels": torch.tensor([4.2, 0.4])}
+
+    sst = tokenizer(["a lovely film", "dull and far too long for what it is"], padding=True, return_tensors="pt")
+    return {"sst": {**sst, "labels": torch.tensor([4, 0])}, "qqp": pair_batch("cross"), "sts_bi": pair_batch("bi")}
+
+
+# --- divergences --------------------------------------------------------------------------------
+def test_symmetric_kl_is_non_negative_and_zero_for_identical_inputs():
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 5) * 3, torch.randn(64, 5) * 3
+    assert (symmetric_kl_softmax(a, b) >= 0).all() and symmetric_kl_softmax(a, b).shape == (64,)
+    assert torch.equal(symmetric_kl_softmax(a, a), torch.zeros(64))
+    x, y = torch.randn(64) * 4, torch.randn(64) * 4
+    assert (symmetric_kl_bernoulli(x, y) >= 0).all()
+    assert torch.equal(symmetric_kl_bernoulli(x, x), torch.zeros(64))
+
+
+def test_bernoulli_symmetric_kl_equals_the_two_class_softmax_form():
+    torch.manual_seed(1)
+    x, y = torch.randn(32) * 3, torch.randn(32) * 3
+    as_two_classes = symmetric_kl_softmax(torch.stack([torch.zeros(32), x], -1), torch.stack([torch.zeros(32), y], -1))
+    torch.testing.assert_close(symmetric_kl_bernoulli(x, y), as_two_classes, rtol=1e-5, atol=1e-6)
+
+
+def test_sts_term_is_per_example_and_refuses_broadcasting():
+    a, b = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.5, 2.0, 1.0])
+    assert divergence("sts", a, b).shape == (3,)
+    torch.testing.assert_close(divergence("sts", a, b), torch.tensor([0.25, 0.0, 4.0]))
+    with pytest.raises(ValueError, match=r"\(3,\) and \(3, 1\)"):
+        squared_error(a, b.unsqueeze(-1))
+
+
+# --- projection -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("norm", ["inf", "l2"])
+def test_projection_puts_every_token_inside_the_epsilon_ball(norm):
+    torch.manual_seed(0)
+    delta = torch.randn(4, 7, 16) * torch.logspace(-4, 1, 7).view(1, 7, 1)  # tokens inside and outside
+    projected = project(delta, norm, 0.01)
+    sizes = projected.abs().amax(-1) if norm == "inf" else projected.norm(dim=-1)
+    assert (sizes <= 0.01 * (1 + 1e-6)).all()
+    inside = (delta.abs().amax(-1) if norm == "inf" else delta.norm(dim=-1)) <= 0.01
+    assert inside.any() and torch.equal(projected[inside], delta[inside])  # already inside: untouched
+
+
+# --- the perturbation -----------------------------------------------------------------------------
+def test_zero_delta_gives_exactly_the_clean_outputs_with_dropout_off(model, batches):
+    model.eval()
+    clean = model("sst", batches["sst"])
+    with WordPerturbation(model.encoder.get_input_embeddings()).applied(lambda e, m: torch.zeros_like(e)):
+        perturbed = model("sst", batches["sst"])
+    assert torch.equal(perturbed, clean)
+
+
+def test_replayed_dropout_gives_exactly_the_clean_outputs_in_training_mode(model, batches):
+    replay = RngReplay(CPU)
+    clean = model("qqp", batches["qqp"])
+    with WordPerturbation(model.encoder.get_input_embeddings()).applied(lambda e, m: torch.zeros_like(e)), \
+            replay.replayed():
+        perturbed = model("qqp", batches["qqp"])
+    assert torch.equal(perturbed, clean)
+    assert not torch.equal(model("qqp", batches["qqp"]), clean)  # dropout is on: a fresh pass differs
+
+
+def test_delta_is_added_to_word_embeddings_before_position_type_and_layernorm(model, batches):
+    model.eval()
+    embeddings = model.encoder.embeddings
+    ids = batches["qqp"]["input_ids"]
+    types = batches["qqp"]["token_type_ids"]
+    torch.manual_seed(3)
+    delta = torch.randn(*ids.shape, embeddings.word_embeddings.embedding_dim) * 0.1
+    with WordPerturbation(embeddings.word_embeddings).applied(lambda e, m: delta):
+        perturbed = embeddings(input_ids=ids, token_type_ids=types)
+    positions = embeddings.position_embeddings(torch.arange(ids.shape[1])).unsqueeze(0)
+    expected = embeddings.LayerNorm(embeddings.word_embeddings(ids) + delta + positions
+                                    + embeddings.token_type_embeddings(types))
+    torch.testing.assert_close(perturbed, expected)
+
+
+def test_bi_encoder_perturbs_each_sentence(model, params, batches):
+    heads = parse_section(type(params.heads), {**_heads_dict(params), "sts": {**_heads_dict(params)["sts"],
+                                               "encoding": "bi", "pooling": "mean"}}, "heads")
+    bi_model = MultitaskModel(model.encoder, heads).train()
+    smart = Smart(smart_params(params), bi_model.encoder.get_input_embeddings, CPU, seed=0)
+    batch = batches["sts_bi"]
+    replay = RngReplay(CPU)
+    loss, ratio = smart.loss(bi_model, "sts", lambda m: m("sts", batch), bi_model("sts", batch), replay)
+    assert loss.shape == () and loss.item() > 0 and 0 < ratio
+    perturbation = WordPerturbation(bi_model.encoder.get_input_embeddings())
+    with perturbation.applied(lambda e, m: torch.zeros_like(e)):
+        bi_model("sts", batch)
+    assert perturbation.deltas[0].shape[0] == 2 * len(batch["labels"])  # both sentences of every pair
+
+
+def _heads_dict(params):
+    from stages.core.params import as_dict
+
+    return as_dict(params.heads)
+
+
+@pytest.mark.parametrize("norm", ["inf", "l2"])
+def test_ascent_finds_a_worse_perturbation_than_random_noise_of_the_same_size(model, params, batches, norm):
+    model.eval()
+    p = smart_params(params, norm=norm, epsilon=1e-2, eta=1e-2, sigma=1e-4)
+    smart = Smart(p, model.encoder.get_input_embeddings, CPU, seed=0)
+    clean = model("sst", batches["sst"])
+    adversarial, ratio = smart.loss(model, "sst", lambda m: m("sst", batches["sst"]), clean, RngReplay(CPU))
+    torch.manual_seed(5)
+    random = lambda e, m: project(torch.randn_like(e).sign() * 1e-2 * m, norm, 1e-2)  # noqa: E731
+    with WordPerturbation(model.encoder.get_input_embeddings()).applied(random):
+        noise = divergence("sst", model("sst", batches["sst"]), clean).mean()
+    assert adversarial.item() > 2 * noise.item()
+
+
+def test_ascent_takes_no_parameter_gradients_but_the_final_term_does(model, params, batches):
+    smart = Smart(smart_params(params, steps=2), model.encoder.get_input_embeddings, CPU, seed=0)
+    clean = model("sst", batches["sst"])
+    loss, _ = smart.loss(model, "sst", lambda m: m("sst", batches["sst"]), clean, RngReplay(CPU))
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.requires_grad for p in model.parameters())  # unfrozen again after the ascent
+    loss.backward()
+    assert model.encoder.embeddings.word_embeddings.weight.grad is not None
+
+
+def test_parameter_gradients_with_lambda_differ_from_lambda_zero(model, params, batches):
+    def gradients(lambda_):
+        model.zero_grad()
+        torch.manual_seed(0)
+        objective = Objective(model, smart_params(params, lambda_=lambda_), CPU, bf16=False, seed=0)
+        objective(model, "sst", batches["sst"]).total.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    plain, again, regularised = gradients(0.0), gradients(0.0), gradients(10.0)
+    assert torch.equal(plain, again)
+    assert not torch.allclose(plain, regularised)
+
+
+def test_per_task_lambda_overrides_the_global_one(params):
+    p = smart_params(params, lambda_=2.0, task_lambda=dataclasses.replace(params.smart.task_lambda, qqp=0.0,
+                                                                          sts=5.0))
+    assert (p.task_weight("sst"), p.task_weight("qqp"), p.task_weight("sts")) == (2.0, 0.0, 5.0)
+
+
+def test_smart_off_consumes_no_extra_randomness(model, params, batches):
+    """lambda = 0 and mu = 0: the objective is the task loss and the RNG stream is untouched."""
+    objective = Objective(model, smart_params(params, lambda_=0.0, mu=0.0), CPU, bf16=False, seed=0)
+    assert objective.smart is None and objective.teacher is None
+    torch.manual_seed(0)
+    result = objective(model, "sst", batches["sst"])
+    torch.manual_seed(0)
+    expected = model.loss("sst", model("sst", batches["sst"]), batches["sst"]["labels"])
+    assert torch.equal(result.total, expected) and result.smart_loss is None
+
+
+# --- the Bregman teacher --------------------------------------------------------------------------
+def test_teacher_update_follows_the_formula(model):
+    teacher = EmaTeacher(model, beta=0.9)
+    before = [p.detach().clone() for p in teacher.model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    teacher.update(model)
+    for old, new, student in zip(before, teacher.model.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(new, 0.9 * old + 0.1 * student, rtol=1e-6, atol=1e-7)
+    assert all(not p.requires_grad for p in teacher.model.parameters())
+
+
+def test_teacher_equal_to_the_student_gives_zero_bregman_loss_with_dropout_on(model, params, batches):
+    objective = Objective(model, smart_params(params, lambda_=0.0, mu=1.0), CPU, bf16=False, seed=0)
+    result = objective(model, "qqp", batches["qqp"])
+    assert result.bregman_loss == 0.0
+
+
+def test_teacher_and_noise_generator_round_trip_through_a_checkpoint(model, params, batches, tmp_path):
+    p = smart_params(params, mu=1.0, beta=0.5)
+    objective = Objective(model, p, CPU, bf16=False, seed=0)
+    objective(model, "sst", batches["sst"]).total.backward()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.sub_(0.01 * parameter.grad if parameter.grad is not None else 0.0)
+    objective.after_update(model)
+    save_checkpoint(tmp_path / "last.pt", {"fingerprint": "x", "objective": objective.state_dict()})
+
+    restored = Objective(model, p, CPU, bf16=False, seed=123)
+    restored.load_state_dict(load_checkpoint(tmp_path / "last.pt", "x")["objective"])
+    saved, loaded = objective.teacher.model.state_dict(), restored.teacher.model.state_dict()
+    assert all(torch.equal(saved[name], loaded[name]) for name in saved)
+    assert torch.equal(objective.smart.generator.get_state(), restored.smart.generator.get_state())
