@@ -54,7 +54,7 @@ def timed_steps(trainer: Trainer, objective: Objective, schedule: list[tuple[str
 
 @app.command()
 def main(steps: int = typer.Option(40, help="timed steps per objective"),
-         block: int = typer.Option(5, help="steps per block; the objectives alternate block by block"),
+         block: int = typer.Option(2, help="steps per block; the objectives alternate block by block"),
          smart_steps: int = typer.Option(1, help="K, the ascent steps of SMART"),
          variant: str = typer.Option("base"),
          params_file: Path = typer.Option(Path("params.yaml")),

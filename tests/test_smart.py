@@ -242,3 +242,12 @@ def test_teacher_and_noise_generator_round_trip_through_a_checkpoint(model, para
     saved, loaded = objective.teacher.model.state_dict(), restored.teacher.model.state_dict()
     assert all(torch.equal(saved[name], loaded[name]) for name in saved)
     assert torch.equal(objective.smart.generator.get_state(), restored.smart.generator.get_state())
+
+
+@pytest.mark.parametrize("dropout", ["same", "off"])
+def test_zero_perturbation_gives_zero_smart_loss_under_either_dropout_choice(model, params, batches, dropout):
+    objective = Objective(model, smart_params(params, dropout=dropout, sigma=0.0, steps=0, mu=1.0), CPU,
+                          bf16=False, seed=0)
+    result = objective(model, "qqp", batches["qqp"])
+    assert result.smart_loss == 0.0 and result.bregman_loss == 0.0
+    assert result.total.item() > 0 and model.training  # the task loss remains; training mode is restored
