@@ -17,6 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import typer
 from tqdm.auto import tqdm
@@ -30,6 +31,7 @@ from stages.core.model import MultitaskModel
 from stages.core.objective import BatchLoss, Objective
 from stages.core.optim import make_optimizer
 from stages.core.params import Params, as_dict, variant_params
+from stages.core.pcgrad import accumulate, flat_gradient, project_conflicts
 from stages.core.runtime import setup_logging, setup_torch
 from stages.core.sampling import TaskStream, epoch_schedule
 from stages.core.tasks import TASK_NAMES, tokenized_path
@@ -75,7 +77,8 @@ class Trainer:
         self.p = params.train
         self.device = setup_torch(self.p.seed, self.p.threads)
         self.tokenizer = load_tokenizer(params.model.name)
-        self.model = MultitaskModel(load_encoder(params.model.name), params.heads).to(self.device)
+        self.model = MultitaskModel(load_encoder(params.model.name), params.heads, params.model.arch,
+                                    params.model.task_layers).to(self.device)
         self.train_data = {t: load_split(paths.tokenized, t, "train", self.p.max_examples) for t in TASK_NAMES}
         self.dev_data = {t: load_split(paths.tokenized, t, "dev", self.p.max_examples) for t in TASK_NAMES}
         self.streams = {t: TaskStream(split.lengths(self.model.encoding(t)), getattr(self.p.batch_size, t),
@@ -137,8 +140,9 @@ class Trainer:
             self.load_state(state)
             log.info("resuming from epoch %d step %d", self.epoch + 1, self.step_in_epoch)
         live = self._open_live()
-        log.info("%s: %d steps per epoch, %d epochs, sampler %s, %s parameters", self.variant,
-                 self.steps_per_epoch, self.p.epochs, self.p.sampler, f"{self.parameter_count():,}")
+        log.info("%s: arch %s, %d steps per epoch, %d epochs, sampler %s, gradient %s, %s parameters",
+                 self.variant, self.params.model.arch, self.steps_per_epoch, self.p.epochs, self.p.sampler,
+                 self.p.gradient, f"{self.parameter_count():,}")
         while self.epoch < self.p.epochs:
             self._train_epoch()
             self._end_epoch(live)
@@ -166,19 +170,30 @@ class Trainer:
         self.train_seconds += time.perf_counter() - started
 
     def forward_backward(self, tasks: tuple[str, ...]) -> None:
-        total = 0.0
+        """One step's losses, backpropagated (scaled for gradient accumulation) into the .grad fields."""
+        per_task = []
         for task in tasks:
             rows = self.streams[task].next()
             batch = {k: v.to(self.device) for k, v in
                      self.train_data[task].batch(rows, self.model.encoding(task)).items()}
             result = self.objective(self.model, task, batch)
             if not torch.isfinite(result.total):
-                raise TrainingError(f"non-finite {task} loss ({result.total.item()}) at epoch {self.epoch + 1} step "
-                                    f"{self.step_in_epoch + 1}; the last good checkpoint is kept in "
+                raise TrainingError(f"non-finite {task} loss ({result.total.item()}) at epoch {self.epoch + 1} "
+                                    f"step {self.step_in_epoch + 1}; the last good checkpoint is kept in "
                                     f"{self.paths.checkpoints}. Lower train.lr or turn off train.bf16.")
-            total = total + result.total
             self._count(task, rows, batch, result)
-        (total / self.p.grad_accum).backward()
+            if self.p.gradient == "pcgrad":  # each task's gradient now, so only one graph is alive at a time
+                per_task.append(flat_gradient(result.total / self.p.grad_accum, self._trainable()))
+            else:
+                per_task.append(result.total)
+        if self.p.gradient == "pcgrad":
+            order = np.random.default_rng([self.p.seed, 4099, self.epoch, self.step_in_epoch])
+            accumulate(self._trainable(), sum(project_conflicts(per_task, order)))
+        else:
+            (sum(per_task) / self.p.grad_accum).backward()
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def _count(self, task: str, rows, batch: dict[str, torch.Tensor], result: BatchLoss) -> None:
         running = self.running
@@ -254,6 +269,8 @@ class Trainer:
                    "parameters": self.parameter_count(),
                    # The only part that differs between identical runs:
                    "speed": {"train_seconds": round(self.train_seconds, 1),
+                             "seconds_per_step": round(self.train_seconds / (self.steps_per_epoch * self.p.epochs),
+                                                       4),
                              "examples_per_second": round(examples / max(self.train_seconds, 1e-9), 2),
                              "tokens_per_second": round(sum(r["tokens"] for r in self.history)
                                                         / max(self.train_seconds, 1e-9), 1)}}

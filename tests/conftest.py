@@ -99,7 +99,7 @@ def tiny_backbone(tmp_path_factory) -> Path:
     return path
 
 
-def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, train=None, heads=None, smart=None,
+def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, model=None, train=None, heads=None, smart=None,
                 models=None) -> Path:
     """A params.yaml for tests: the repository's, pointed at the test data and the small backbone."""
     import yaml
@@ -108,7 +108,7 @@ def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, train=None, he
 
     params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
     params["data"]["raw_dir"] = str(raw_dir)
-    params["model"]["name"] = str(backbone)
+    params["model"].update(model or {}, name=str(backbone))
     params["tokenize"]["max_length"] = 32
     params["train"].update(epochs=2, batch_size={"sst": 4, "qqp": 4, "sts": 4}, eval_batch_size=8,
                            checkpoint_every=3, threads=1, bucket_batches=2)

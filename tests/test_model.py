@@ -99,14 +99,14 @@ def test_layerwise_lr_decay_gives_the_expected_rates(params, encoder):
     def lr(name):
         return lr_of[id(named[name])]
 
-    assert lr("encoder.encoder.layer.1.attention.self.query.weight") == pytest.approx(1e-3)
-    assert lr("encoder.encoder.layer.0.attention.self.query.weight") == pytest.approx(5e-4)
-    assert lr("encoder.embeddings.word_embeddings.weight") == pytest.approx(1e-3 * 0.25 * 0.1)
+    assert lr("encoders.shared.encoder.layer.1.attention.self.query.weight") == pytest.approx(1e-3)
+    assert lr("encoders.shared.encoder.layer.0.attention.self.query.weight") == pytest.approx(5e-4)
+    assert lr("encoders.shared.embeddings.word_embeddings.weight") == pytest.approx(1e-3 * 0.25 * 0.1)
     assert lr("heads.sst.net.1.weight") == pytest.approx(2e-3)
     decay = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
-    assert decay[id(named["encoder.encoder.layer.0.output.LayerNorm.weight"])] == 0.0
-    assert decay[id(named["encoder.encoder.layer.0.output.dense.bias"])] == 0.0
-    assert decay[id(named["encoder.encoder.layer.0.output.dense.weight"])] == train.weight_decay
+    assert decay[id(named["encoders.shared.encoder.layer.0.output.LayerNorm.weight"])] == 0.0
+    assert decay[id(named["encoders.shared.encoder.layer.0.output.dense.bias"])] == 0.0
+    assert decay[id(named["encoders.shared.encoder.layer.0.output.dense.weight"])] == train.weight_decay
 
 
 def test_embedding_lr_factor_zero_freezes_the_embeddings(params, tiny_backbone):

@@ -100,3 +100,11 @@ def test_smart_lambda_is_keyed_as_in_params_yaml(raw_params):
     raw["smart"]["lambda_"] = raw["smart"].pop("lambda")
     with pytest.raises(ParamsError, match="unknown key 'smart.lambda_'; smart accepts: lambda, task_lambda"):
         parse_params(raw)
+
+
+def test_pcgrad_needs_the_joint_sampler(raw_params):
+    raw = with_value(raw_params, "train.gradient", "pcgrad")
+    with pytest.raises(ParamsError, match="train.gradient: pcgrad .* needs sampler: joint .* got sampler: proport"):
+        parse_params(raw)
+    raw["train"]["sampler"] = "joint"
+    assert parse_params(raw).train.gradient == "pcgrad"

@@ -137,7 +137,7 @@ def test_bi_encoder_perturbs_each_sentence(model, params, batches):
     heads = parse_section(type(params.heads), {**_heads_dict(params), "sts": {**_heads_dict(params)["sts"],
                                                "encoding": "bi", "pooling": "mean"}}, "heads")
     bi_model = MultitaskModel(model.encoder, heads).train()
-    smart = Smart(smart_params(params), bi_model.encoder.get_input_embeddings, CPU, seed=0)
+    smart = Smart(smart_params(params), bi_model.word_embeddings, CPU, seed=0)
     batch = batches["sts_bi"]
     replay = RngReplay(CPU)
     loss, ratio = smart.loss(bi_model, "sts", lambda m: m("sts", batch), bi_model("sts", batch), replay)
@@ -158,7 +158,7 @@ def _heads_dict(params):
 def test_ascent_finds_a_worse_perturbation_than_random_noise_of_the_same_size(model, params, batches, norm):
     model.eval()
     p = smart_params(params, norm=norm, epsilon=1e-2, eta=1e-2, sigma=1e-4)
-    smart = Smart(p, model.encoder.get_input_embeddings, CPU, seed=0)
+    smart = Smart(p, model.word_embeddings, CPU, seed=0)
     clean = model("sst", batches["sst"])
     adversarial, ratio = smart.loss(model, "sst", lambda m: m("sst", batches["sst"]), clean, RngReplay(CPU))
     torch.manual_seed(5)
@@ -169,7 +169,7 @@ def test_ascent_finds_a_worse_perturbation_than_random_noise_of_the_same_size(mo
 
 
 def test_ascent_takes_no_parameter_gradients_but_the_final_term_does(model, params, batches):
-    smart = Smart(smart_params(params, steps=2), model.encoder.get_input_embeddings, CPU, seed=0)
+    smart = Smart(smart_params(params, steps=2), model.word_embeddings, CPU, seed=0)
     clean = model("sst", batches["sst"])
     loss, _ = smart.loss(model, "sst", lambda m: m("sst", batches["sst"]), clean, RngReplay(CPU))
     assert all(p.grad is None for p in model.parameters())

@@ -1,7 +1,8 @@
 """Saving models in reloadable formats, and resume checkpoints that survive a kill.
 
-A finished model is a folder: `encoder/` (save_pretrained, with its tokenizer), `heads.safetensors`
-and `mtbert.json` (the merged params). A resume checkpoint is one torch file with the model, optimiser,
+A finished model is a folder: `encoder/` (save_pretrained, with its tokenizer), one more save_pretrained
+folder per other encoder of its arch (`encoder-<task>/`, `encoder-static/`), `heads.safetensors` and
+`mtbert.json` (the merged params). A resume checkpoint is one torch file with the model, optimiser,
 scheduler, RNG and sampler state, loaded with weights_only=True. Both are written atomically.
 """
 
@@ -18,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stages.core import io
+from stages.core.encoders import SHARED_DIR
 from stages.core.model import MultitaskModel
 
 log = logging.getLogger(__name__)
@@ -31,8 +33,7 @@ def save_model(model: MultitaskModel, tokenizer, out_dir: Path, config: dict) ->
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     temp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
     try:
-        model.encoder.save_pretrained(temp / "encoder", safe_serialization=True)
-        tokenizer.save_pretrained(temp / "encoder")
+        model.encoders.save(temp, tokenizer)
         heads = {name: tensor.detach().contiguous() for name, tensor in model.heads.state_dict().items()}
         save_file(heads, str(temp / HEADS_FILE))
         (temp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -61,10 +62,12 @@ def load_model(model_dir: Path) -> tuple[MultitaskModel, dict]:
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} is missing; expected a model folder written by `train`")
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    # Only the heads shape the model; the other sections may have grown since it was saved.
+    # Only the heads and the arch shape the model; the other sections may have grown since it was saved.
     heads = parse_section(HeadsParams, config["params"].get("heads"), "heads", source=str(config_path))
-    encoder = AutoModel.from_pretrained(model_dir / "encoder", attn_implementation="sdpa")
-    model = MultitaskModel(encoder, heads)
+    model_section = config["params"].get("model", {})
+    encoder = AutoModel.from_pretrained(model_dir / SHARED_DIR, attn_implementation="sdpa")
+    model = MultitaskModel(encoder, heads, model_section.get("arch", "shared"), model_section.get("task_layers", 0))
+    model.encoders.load_extra(model_dir)
     model.heads.load_state_dict(load_file(str(model_dir / HEADS_FILE)))
     return model.eval(), config
 

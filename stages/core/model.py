@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stages.core.encoders import TaskEncoders
 from stages.core.params import HeadParams, HeadsParams, PairHeadParams
 from stages.core.tasks import TASKS
 
@@ -62,36 +63,55 @@ class CosineHead(nn.Module):
 
 
 class MultitaskModel(nn.Module):
-    """Outputs in loss space: SST logits (B, 5), QQP logit (B,), STS score (B,) on the target scale."""
+    """Outputs in loss space: SST logits (B, 5), QQP logit (B,), STS score (B,) on the target scale.
 
-    def __init__(self, encoder: nn.Module, heads: HeadsParams):
+    `arch` and `task_layers` (model.arch, model.task_layers) decide which encoders each head reads; see
+    stages/core/encoders.py.
+    """
+
+    def __init__(self, encoder: nn.Module, heads: HeadsParams, arch: str = "shared", task_layers: int = 0):
         super().__init__()
-        self.encoder = encoder
+        self.encoders = TaskEncoders(encoder, arch, task_layers)
         self.head_params = {"sst": heads.sst, "qqp": heads.qqp, "sts": heads.sts}
         dim = encoder.config.hidden_size
-        self.heads = nn.ModuleDict({task: self._make_head(task, p, dim) for task, p in self.head_params.items()})
+        width = self.encoders.width
+        self.heads = nn.ModuleDict({task: self._make_head(task, p, dim, width)
+                                    for task, p in self.head_params.items()})
+
+    @property
+    def encoder(self) -> nn.Module:
+        """The shared encoder (for cerbertus and independent: the first task's)."""
+        return self.encoders.shared
+
+    def word_embeddings(self, task: str) -> nn.Embedding:
+        """Where SMART perturbs the task's input: the word-embedding lookup of its first encoder."""
+        return self.encoders.for_task(task)[0].get_input_embeddings()
 
     @staticmethod
-    def _make_head(task: str, params: HeadParams, dim: int) -> nn.Module:
+    def _make_head(task: str, params: HeadParams, dim: int, width: int) -> nn.Module:
         out_dim = TASKS[task].num_classes if TASKS[task].label_kind == "class" else 1
         if isinstance(params, PairHeadParams) and params.encoding == "bi":
             if params.combine == "cosine":
                 return CosineHead(affine=task != "sts")
-            return MLPHead(4 * dim, dim, out_dim, params.hidden_layers, params.dropout)
-        return MLPHead(dim, dim, out_dim, params.hidden_layers, params.dropout)
+            return MLPHead(4 * width * dim, dim, out_dim, params.hidden_layers, params.dropout)
+        return MLPHead(width * dim, dim, out_dim, params.hidden_layers, params.dropout)
 
-    def embed(self, input_ids, attention_mask, pooling: str, token_type_ids=None) -> torch.Tensor:
-        output = self.encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
-        return pool(pooling, output.last_hidden_state, attention_mask, getattr(output, "pooler_output", None))
+    def embed(self, task: str, input_ids, attention_mask, pooling: str, token_type_ids=None) -> torch.Tensor:
+        pooled = []
+        for encoder in self.encoders.for_task(task):
+            output = encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+            pooled.append(pool(pooling, output.last_hidden_state, attention_mask,
+                               getattr(output, "pooler_output", None)))
+        return pooled[0] if len(pooled) == 1 else torch.cat(pooled, -1)
 
     def forward(self, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         params = self.head_params[task]
         head = self.heads[task]
         if isinstance(params, PairHeadParams) and params.encoding == "bi":
-            u, v = self._embed_pair(batch, params.pooling)
+            u, v = self._embed_pair(task, batch, params.pooling)
             out = head(u, v) if isinstance(head, CosineHead) else head(torch.cat([u, v, (u - v).abs(), u * v], -1))
         else:
-            out = head(self.embed(batch["input_ids"], batch["attention_mask"], params.pooling,
+            out = head(self.embed(task, batch["input_ids"], batch["attention_mask"], params.pooling,
                                   batch.get("token_type_ids")))
         if task == "sst":
             return out
@@ -106,14 +126,14 @@ class MultitaskModel(nn.Module):
             return out if is_cosine else torch.sigmoid(out)
         return 5.0 * out if is_cosine else out
 
-    def _embed_pair(self, batch, pooling: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _embed_pair(self, task: str, batch, pooling: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Both sentences through the encoder in one call of 2B rows."""
         ids_1, ids_2 = batch["input_ids_1"], batch["input_ids_2"]
         width = max(ids_1.shape[1], ids_2.shape[1])
         ids = torch.cat([F.pad(ids_1, (0, width - ids_1.shape[1])), F.pad(ids_2, (0, width - ids_2.shape[1]))])
         mask = torch.cat([F.pad(batch["attention_mask_1"], (0, width - ids_1.shape[1])),
                           F.pad(batch["attention_mask_2"], (0, width - ids_2.shape[1]))])
-        pooled = self.embed(ids, mask, pooling)
+        pooled = self.embed(task, ids, mask, pooling)
         return pooled[: len(ids_1)], pooled[len(ids_1):]
 
     def loss(self, task: str, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ class Objective:
     def __init__(self, model: MultitaskModel, params: SmartParams, device: torch.device, bf16: bool, seed: int):
         self.params, self.device, self.bf16 = params, device, bf16
         uses_smart = any(params.task_weight(task) > 0 for task in TASK_NAMES)
-        self.smart = Smart(params, model.encoder.get_input_embeddings, device, seed) if uses_smart else None
+        self.smart = Smart(params, model.word_embeddings, device, seed) if uses_smart else None
         self.teacher = EmaTeacher(model, params.beta) if params.mu > 0 else None
 
     def forward(self, model: torch.nn.Module, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:

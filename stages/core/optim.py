@@ -27,8 +27,8 @@ def layer_of(name: str, num_layers: int) -> int:
 
 
 def lr_scale(name: str, num_layers: int, params: TrainParams) -> float:
-    """The factor on train.lr of one parameter of the model (encoder.* or heads.*)."""
-    if not name.startswith("encoder."):
+    """The factor on train.lr of one parameter of the model (encoders.* or heads.*)."""
+    if not name.startswith("encoders."):
         return params.head_lr_mult
     depth = layer_of(name, num_layers)
     scale = params.layer_decay ** max(num_layers - depth, 0)  # top layer (and pooler): 1
@@ -43,6 +43,8 @@ def param_groups(model: nn.Module, num_layers: int, params: TrainParams) -> list
     """One AdamW group per (LR, weight decay) pair; frozen parameters (LR 0) get requires_grad=False."""
     groups: dict[tuple[float, float], dict] = {}
     for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:  # frozen by the arch (static)
+            continue
         scale = lr_scale(name, num_layers, params)
         if scale == 0.0:
             parameter.requires_grad_(False)

@@ -53,9 +53,14 @@ class TokenizeParams:
     batch_size: int = _bounded(ge=1)
 
 
+Arch = Literal["shared", "cerbertus", "independent", "shared+independent", "static"]
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelParams:
     name: str
+    arch: Arch  # which encoders each task's head reads: see stages/core/encoders.py
+    task_layers: int = _bounded(ge=0)  # cerbertus: top encoder layers each task has its own copy of
 
 
 Pooling = Literal["cls", "mean", "max", "attention"]
@@ -119,6 +124,12 @@ class TrainParams:
     bf16: bool
     threads: int = _bounded(ge=0)  # CPU threads for torch; 0 leaves torch's default
     checkpoint_every: int = _bounded(ge=1)  # optimiser steps between resume checkpoints
+    gradient: Literal["plain", "pcgrad"]  # pcgrad: gradient surgery across the tasks of a joint step
+
+    def __post_init__(self):
+        if self.gradient == "pcgrad" and self.sampler != "joint":
+            raise ParamsError(f"gradient: pcgrad works across the tasks of one step, so it needs sampler: joint "
+                              f"(one batch of every task per step), got sampler: {self.sampler}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +280,10 @@ def _build(cls: type, raw: Any, key: str) -> Any:
         value = _convert(hints[field.name], raw[name], full_key)
         _check_bounds(field.metadata, value, full_key)
         values[field.name] = value
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ParamsError as error:  # a rule across keys, raised by the dataclass itself
+        raise ParamsError(_join(key, str(error))) from None
 
 
 def _convert(hint: Any, value: Any, key: str) -> Any:

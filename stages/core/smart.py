@@ -184,10 +184,10 @@ def frozen(model: nn.Module) -> Iterator[None]:
 class Smart:
     """The SMART term of one batch; see the module docstring for the method."""
 
-    def __init__(self, params: SmartParams, word_embeddings: Callable[[], nn.Embedding], device: torch.device,
+    def __init__(self, params: SmartParams, word_embeddings: Callable[[str], nn.Embedding], device: torch.device,
                  seed: int):
         self.params = params
-        self.word_embeddings = word_embeddings  # looked up per call: the model may move or be wrapped
+        self.word_embeddings = word_embeddings  # task -> the lookup its input goes through
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -204,7 +204,7 @@ class Smart:
     def loss(self, model: nn.Module, task: str, forward: Forward, reference: torch.Tensor,
              replay: RngReplay) -> tuple[torch.Tensor, float]:
         """(the batch-mean adversarial divergence, ||delta|| / ||embeddings||) against `reference` = f(x)."""
-        perturbation = WordPerturbation(self.word_embeddings())
+        perturbation = WordPerturbation(self.word_embeddings(task))
         make_delta = self._initial_noise
         for _ in range(self.params.steps):
             perturbation.deltas = [delta.detach().requires_grad_() for delta in perturbation.deltas]

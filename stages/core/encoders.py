@@ -1,0 +1,111 @@
+"""The encoder(s) behind each task's head, built from one pretrained encoder according to model.arch.
+
+- shared: one encoder for every task.
+- cerbertus: the embeddings and the bottom L - k encoder layers are shared; every task has its own copy
+  of the top k layers and the pooler, all starting from the same pretrained weights. k = 0 is `shared`;
+  k = L shares nothing, which is `independent`.
+- independent: one whole encoder per task.
+- shared+independent: the shared encoder and one encoder per task; a task's head sees both pooled
+  embeddings, concatenated.
+- static: the shared encoder and a frozen copy of the pretrained one (always without dropout),
+  concatenated.
+
+Sharing is by module identity: a task's encoder is a full transformers model whose shared parts are the
+very modules of the shared encoder, so every form runs the library's own forward pass.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from torch import nn
+
+from stages.core.tasks import TASK_NAMES
+
+ARCHS = ("shared", "cerbertus", "independent", "shared+independent", "static")
+SHARED_DIR = "encoder"
+
+
+def replicate_top(encoder: nn.Module, task_layers: int) -> nn.Module:
+    """A copy of `encoder` that owns its top `task_layers` layers and pooler and shares everything else."""
+    tower = copy.deepcopy(encoder)
+    num_layers = encoder.config.num_hidden_layers
+    if task_layers < num_layers:
+        tower.embeddings = encoder.embeddings
+    for index in range(num_layers - task_layers):
+        tower.encoder.layer[index] = encoder.encoder.layer[index]
+    if task_layers == 0 and getattr(encoder, "pooler", None) is not None:
+        tower.pooler = encoder.pooler
+    return tower
+
+
+class TaskEncoders(nn.Module):
+    def __init__(self, encoder: nn.Module, arch: str, task_layers: int):
+        super().__init__()
+        if arch not in ARCHS:
+            raise ValueError(f"model.arch: expected one of {', '.join(ARCHS)}, got {arch!r}")
+        num_layers = encoder.config.num_hidden_layers
+        if arch == "cerbertus" and not 0 <= task_layers <= num_layers:
+            raise ValueError(f"model.task_layers: expected 0 to {num_layers} (the encoder's layers) for "
+                             f"arch cerbertus, got {task_layers}")
+        self.arch, self.task_layers = arch, task_layers
+        self.shared = encoder
+        self.towers = nn.ModuleDict()
+        self.static = None
+        if arch in ("cerbertus", "independent"):
+            k = task_layers if arch == "cerbertus" else num_layers
+            # The first task uses the shared encoder itself, so no layer goes unused.
+            for task in TASK_NAMES:
+                self.towers[task] = encoder if task == TASK_NAMES[0] else replicate_top(encoder, k)
+        elif arch == "shared+independent":
+            for task in TASK_NAMES:
+                self.towers[task] = copy.deepcopy(encoder)
+        elif arch == "static":
+            self.static = copy.deepcopy(encoder).requires_grad_(False).eval()
+
+    def for_task(self, task: str) -> list[nn.Module]:
+        """The encoders whose pooled outputs, concatenated, feed the task's head; the first is perturbed
+        by SMART."""
+        if self.arch in ("cerbertus", "independent"):
+            return [self.towers[task]]
+        if self.arch == "shared+independent":
+            return [self.shared, self.towers[task]]
+        if self.arch == "static":
+            return [self.shared, self.static]
+        return [self.shared]
+
+    @property
+    def width(self) -> int:
+        """How many encoders' pooled outputs each head sees."""
+        return len(self.for_task(TASK_NAMES[0]))
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.static is not None:
+            self.static.eval()  # frozen: no dropout either
+        return self
+
+    # --- files ---------------------------------------------------------------------------------------
+    def extra_encoders(self) -> dict[str, nn.Module]:
+        """The encoders saved beside `encoder/` (the shared one), by folder name."""
+        extra = {f"encoder-{task}": tower for task, tower in self.towers.items() if tower is not self.shared}
+        if self.static is not None:
+            extra["encoder-static"] = self.static
+        return extra
+
+    def save(self, directory: Path, tokenizer) -> None:
+        """save_pretrained folders: `encoder/` (with the tokenizer) and one per other encoder; shared
+        modules are written in each folder that uses them, so every folder loads on its own."""
+        self.shared.save_pretrained(directory / SHARED_DIR, safe_serialization=True)
+        tokenizer.save_pretrained(directory / SHARED_DIR)
+        for name, encoder in self.extra_encoders().items():
+            encoder.save_pretrained(directory / name, safe_serialization=True)
+
+    def load_extra(self, directory: Path) -> None:
+        """Weights of the other encoders from their folders (the structure comes from the constructor)."""
+        from transformers import AutoModel
+
+        for name, encoder in self.extra_encoders().items():
+            saved = AutoModel.from_pretrained(directory / name)
+            encoder.load_state_dict(saved.state_dict())

@@ -1,0 +1,176 @@
+"""Architectures (shared, cerbertus, independent, shared+independent, static) and PCGrad."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stages.core.checkpoint import load_model, save_model
+from stages.core.encoders import ARCHS
+from stages.core.model import MultitaskModel
+from stages.core.params import load_params, variant_params
+from stages.core.pcgrad import project_conflicts
+from stages.train import Paths, Trainer
+from tests.conftest import REPO_ROOT, make_params
+
+
+@pytest.fixture(scope="module")
+def params():
+    return load_params(REPO_ROOT / "params.yaml")
+
+
+@pytest.fixture
+def encoder(tiny_backbone):
+    from stages.core.backbone import load_encoder
+
+    return load_encoder(str(tiny_backbone))
+
+
+@pytest.fixture(scope="module")
+def batches(tokenizer):
+    sst = tokenizer(["a lovely film", "dull and far too long"], padding=True, return_tensors="pt")
+    pair = tokenizer(["a dog runs", "rain"], ["a dog is running", "it is sunny"], padding=True, return_tensors="pt")
+    return {"sst": {**sst, "labels": torch.tensor([4, 0])},
+            "qqp": {**pair, "labels": torch.tensor([1.0, 0.0])},
+            "sts": {**pair, "labels": torch.tensor([4.5, 0.5])}}
+
+
+def outputs(model, batches) -> dict[str, torch.Tensor]:
+    model.eval()
+    with torch.no_grad():
+        return {task: model(task, batch) for task, batch in batches.items()}
+
+
+def encoder_parameters(model) -> int:
+    return sum(p.numel() for p in model.encoders.parameters())
+
+
+def test_cerbertus_with_no_task_layers_is_the_shared_model(params, encoder, batches):
+    torch.manual_seed(0)
+    shared = MultitaskModel(copy.deepcopy(encoder), params.heads, "shared")
+    cerbertus = MultitaskModel(copy.deepcopy(encoder), params.heads, "cerbertus", 0)
+    cerbertus.heads.load_state_dict(shared.heads.state_dict())
+    expected, got = outputs(shared, batches), outputs(cerbertus, batches)
+    assert all(torch.equal(expected[task], got[task]) for task in batches)
+    assert encoder_parameters(cerbertus) == encoder_parameters(shared)
+
+
+def test_cerbertus_task_layers_start_identical_and_diverge_after_one_task_steps(params, encoder, batches):
+    model = MultitaskModel(encoder, params.heads, "cerbertus", 1).train()
+    towers = model.encoders.towers
+    top = {task: towers[task].encoder.layer[1] for task in towers}
+    assert top["sst"] is not top["qqp"] and towers["sst"].encoder.layer[0] is towers["qqp"].encoder.layer[0]
+    before = {task: copy.deepcopy(layer.state_dict()) for task, layer in top.items()}
+    assert all(torch.equal(before["sst"][k], before["qqp"][k]) for k in before["sst"])
+    bottom = copy.deepcopy(towers["sst"].encoder.layer[0].state_dict())
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.loss("sst", model("sst", batches["sst"]), batches["sst"]["labels"]).backward()
+    optimizer.step()
+
+    def changed(layer, old):
+        return any(not torch.equal(v, old[k]) for k, v in layer.state_dict().items())
+
+    assert changed(top["sst"], before["sst"])
+    assert not changed(top["qqp"], before["qqp"]) and not changed(top["sts"], before["sts"])
+    assert changed(towers["qqp"].encoder.layer[0], bottom)  # the shared bottom moved for every task
+
+
+@pytest.mark.parametrize("task_layers", [1, 2])
+def test_parameter_counts_follow_the_formula(params, encoder, task_layers):
+    whole = sum(p.numel() for p in encoder.parameters())
+    layer = sum(p.numel() for p in encoder.encoder.layer[0].parameters())
+    pooler = sum(p.numel() for p in encoder.pooler.parameters())
+    embeddings = sum(p.numel() for p in encoder.embeddings.parameters())
+    tasks = 3
+    cerbertus = MultitaskModel(copy.deepcopy(encoder), params.heads, "cerbertus", task_layers)
+    own = task_layers * layer + pooler + (embeddings if task_layers == 2 else 0)  # k = L: nothing shared
+    assert encoder_parameters(cerbertus) == whole + (tasks - 1) * own
+    assert encoder_parameters(MultitaskModel(copy.deepcopy(encoder), params.heads, "independent")) == tasks * whole
+    both = MultitaskModel(copy.deepcopy(encoder), params.heads, "shared+independent")
+    assert encoder_parameters(both) == (tasks + 1) * whole
+    static = MultitaskModel(copy.deepcopy(encoder), params.heads, "static")
+    assert encoder_parameters(static) == 2 * whole
+    assert sum(p.numel() for p in static.encoders.parameters() if p.requires_grad) == whole
+
+
+def test_task_layers_beyond_the_encoder_are_refused(params, encoder):
+    with pytest.raises(ValueError, match="model.task_layers: expected 0 to 2"):
+        MultitaskModel(encoder, params.heads, "cerbertus", 3)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_arch_round_trips_through_save_and_load(params, encoder, tokenizer, batches, arch, tmp_path):
+    torch.manual_seed(0)
+    model = MultitaskModel(encoder, params.heads, arch, 1)
+    with torch.no_grad():  # make every copy distinct, as after training
+        for i, parameter in enumerate(model.parameters()):
+            parameter.add_(0.01 * torch.randn_like(parameter) * (i % 3))
+    config = {"variant": "x", "params": {"heads": _as_dict(params.heads),
+                                         "model": {"name": "unused", "arch": arch, "task_layers": 1}}}
+    save_model(model, tokenizer, tmp_path / "model", config)
+    loaded, _ = load_model(tmp_path / "model")
+    expected, got = outputs(model, batches), outputs(loaded, batches)
+    assert all(torch.equal(expected[task], got[task]) for task in batches)
+
+
+def _as_dict(section):
+    from stages.core.params import as_dict
+
+    return as_dict(section)
+
+
+def test_static_copy_stays_frozen_and_without_dropout(params, encoder):
+    model = MultitaskModel(encoder, params.heads, "static").train()
+    assert not model.encoders.static.training and model.encoders.shared.training
+
+
+# --- PCGrad ---------------------------------------------------------------------------------------
+def test_pcgrad_projects_conflicting_gradients_as_in_the_paper():
+    g1, g2 = torch.tensor([1.0, 0.0]), torch.tensor([-1.0, 1.0])  # dot -1: they conflict
+    p1, p2 = project_conflicts([g1, g2], np.random.default_rng(0))
+    torch.testing.assert_close(p1, g1 - (-1.0 / 2.0) * g2)  # onto the normal plane of g2: [0.5, 0.5]
+    torch.testing.assert_close(p2, g2 - (-1.0 / 1.0) * g1)  # [0, 1]
+    assert torch.dot(p1, g2) == 0 and torch.dot(p2, g1) == 0
+
+
+def test_pcgrad_leaves_non_conflicting_gradients_unchanged():
+    grads = [torch.tensor([1.0, 2.0, 0.0]), torch.tensor([0.5, 0.0, 1.0]), torch.tensor([0.0, 1.0, 1.0])]
+    projected = project_conflicts(grads, np.random.default_rng(0))
+    assert all(torch.equal(a, b) for a, b in zip(grads, projected, strict=True))
+
+
+# --- training with every arch ---------------------------------------------------------------------
+def trainer(tmp_path: Path, backbone: Path, tokenized: Path, **overrides) -> Trainer:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    params_file = make_params(tmp_path, backbone, Path("unused"), **overrides)
+    params = variant_params(params_file, "base")
+    paths = Paths(tokenized=tokenized, model_out=tmp_path / "m", metrics_out=tmp_path / "m.json",
+                  live_dir=tmp_path / "live", checkpoints=tmp_path / "ck")
+    return Trainer(params, "base", paths)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_arch_trains_with_smart_the_teacher_and_a_bi_encoder(arch, tmp_path, tiny_backbone, tiny_tokenized):
+    run = trainer(tmp_path, tiny_backbone, tiny_tokenized, model={"arch": arch, "task_layers": 1},
+                  train={"epochs": 1}, heads={"sts": {"encoding": "bi", "combine": "features", "pooling": "mean"}},
+                  smart={"lambda": 1.0, "mu": 1.0, "epsilon": 1.0e-2, "eta": 1.0e-2})
+    summary = run.run()
+    assert summary["speed"]["seconds_per_step"] > 0
+    assert set(summary["epochs"][0]["regularisers"]) >= {"sst/smart_loss", "sts/delta_ratio", "qqp/bregman_loss"}
+
+
+def test_pcgrad_trains_joint_steps_with_gradient_accumulation(tmp_path, tiny_backbone, tiny_tokenized):
+    def final_heads(name: str, gradient: str) -> dict[str, torch.Tensor]:
+        run = trainer(tmp_path / name, tiny_backbone, tiny_tokenized, model={"arch": "cerbertus", "task_layers": 1},
+                      train={"epochs": 1, "sampler": "joint", "gradient": gradient, "grad_accum": 2})
+        run.run()
+        return {k: v.clone() for k, v in run.model.heads.state_dict().items()}
+
+    surgery, plain = final_heads("pcgrad", "pcgrad"), final_heads("plain", "plain")
+    assert all(torch.isfinite(v).all() for v in surgery.values())
+    assert any(not torch.equal(surgery[k], plain[k]) for k in plain)
