@@ -23,15 +23,16 @@ import typer
 from tqdm.auto import tqdm
 
 from stages.core import io
-from stages.core.backbone import load_encoder, load_tokenizer
+from stages.core.backbone import load_encoder, load_tokenizer, starting_point
 from stages.core.batches import load_split
-from stages.core.checkpoint import load_checkpoint, rng_state, save_checkpoint, save_model, set_rng_state
+from stages.core.checkpoint import save_model
 from stages.core.evaluation import evaluate
 from stages.core.model import MultitaskModel
 from stages.core.objective import BatchLoss, Objective
 from stages.core.optim import make_optimizer
 from stages.core.params import Params, as_dict, variant_params
 from stages.core.pcgrad import accumulate, flat_gradient, project_conflicts
+from stages.core.resume import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from stages.core.runtime import setup_logging, setup_torch
 from stages.core.sampling import TaskStream, epoch_schedule
 from stages.core.tasks import TASK_NAMES, tokenized_path
@@ -51,6 +52,7 @@ class Paths:
     metrics_out: Path
     live_dir: Path
     checkpoints: Path
+    pretrained: Path | None = None  # the `pretrain` stage's output; None starts from model.name itself
 
 
 @app.command()
@@ -59,12 +61,13 @@ def main(variant: str = typer.Option(..., "--variant", help="a key of `models:` 
          tokenized_dir: Path = typer.Option(Path("data/tokenized")),
          models_dir: Path = typer.Option(Path("models")),
          metrics_dir: Path = typer.Option(Path("metrics/train")),
-         checkpoints_dir: Path = typer.Option(Path("checkpoints"))) -> None:
+         checkpoints_dir: Path = typer.Option(Path("checkpoints")),
+         pretrained_dir: Path = typer.Option(Path("models/pretrained"), help="the encoder to start from")) -> None:
     setup_logging()
     params = variant_params(params_file, variant)
     paths = Paths(tokenized=tokenized_dir, model_out=models_dir / variant,
                   metrics_out=metrics_dir / f"{variant}.json", live_dir=metrics_dir / variant,
-                  checkpoints=checkpoints_dir / variant)
+                  checkpoints=checkpoints_dir / variant, pretrained=pretrained_dir)
     summary = train(params, variant, paths)
     log.info("done: best epoch %d, dev overall %.4f", summary["best_epoch"], summary["dev"]["overall"])
 
@@ -76,8 +79,9 @@ class Trainer:
         self.params, self.variant, self.paths = params, variant, paths
         self.p = params.train
         self.device = setup_torch(self.p.seed, self.p.threads)
-        self.tokenizer = load_tokenizer(params.model.name)
-        self.model = MultitaskModel(load_encoder(params.model.name), params.heads, params.model.arch,
+        start = starting_point(params.model.name, paths.pretrained)
+        self.tokenizer = load_tokenizer(start)
+        self.model = MultitaskModel(load_encoder(start), params.heads, params.model.arch,
                                     params.model.task_layers).to(self.device)
         self.train_data = {t: load_split(paths.tokenized, t, "train", self.p.max_examples) for t in TASK_NAMES}
         self.dev_data = {t: load_split(paths.tokenized, t, "dev", self.p.max_examples) for t in TASK_NAMES}
@@ -90,7 +94,7 @@ class Trainer:
         self.optimizer, self.scheduler = make_optimizer(self.model, num_layers, self.p,
                                                         updates_per_epoch * self.p.epochs)
         self.objective = Objective(self.model, params.smart, self.device, self.p.bf16, self.p.seed)
-        self.fingerprint = run_fingerprint(params, paths.tokenized)
+        self.fingerprint = run_fingerprint(params, paths.tokenized, paths.pretrained)
         self.epoch, self.step_in_epoch, self.updates = 0, 0, 0
         self.history: list[dict] = []
         self.best = {"epoch": -1, "overall": -math.inf}
@@ -292,8 +296,8 @@ def log_epoch(live, record: dict) -> None:
     live.next_step()
 
 
-def run_fingerprint(params: Params, tokenized_dir: Path) -> str:
-    """Identifies a run: params (less the ones that do not change results) and the tokenized data."""
+def run_fingerprint(params: Params, tokenized_dir: Path, pretrained: Path | None) -> str:
+    """Identifies a run: params (less the ones that do not change results), the data and the start weights."""
     digest = hashlib.sha256()
     relevant = as_dict(params)
     relevant.pop("models")  # the other variants' overrides; this variant's are already merged in
@@ -302,6 +306,8 @@ def run_fingerprint(params: Params, tokenized_dir: Path) -> str:
     for task in TASK_NAMES:
         for split in ("train", "dev"):
             digest.update(tokenized_path(tokenized_dir, task, split).read_bytes())
+    for path in sorted(pretrained.glob("*.safetensors")) if pretrained is not None else []:
+        digest.update(path.read_bytes())
     return digest.hexdigest()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def synthetic_raw_files(rows: int) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_backbone(tmp_path_factory) -> Path:
     """A 2-layer slice of the real default backbone, saved like any local model."""
-    from stages.core.backbone import load_encoder, load_tokenizer
+    from stages.core.backbone import PROVENANCE_FILE, load_encoder, load_tokenizer
 
     encoder = load_encoder(DEFAULT_BACKBONE)
     encoder.encoder.layer = encoder.encoder.layer[:2]
@@ -96,6 +97,8 @@ def tiny_backbone(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("backbone")
     encoder.save_pretrained(path)
     load_tokenizer(DEFAULT_BACKBONE).save_pretrained(path)
+    # As the `pretrain` stage leaves it (disabled), so `train --pretrained-dir` accepts the folder.
+    (path / PROVENANCE_FILE).write_text(json.dumps({"backbone": str(path), "pretrained": False}))
     return path
 
 

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from stages.core.checkpoint import load_checkpoint, save_checkpoint
 from stages.core.model import MultitaskModel
 from stages.core.objective import Objective
 from stages.core.params import load_params, parse_section
+from stages.core.resume import load_checkpoint, save_checkpoint
 from stages.core.smart import (
     EmaTeacher,
     RngReplay,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from safetensors.torch import load_file
 
 from stages.core.params import variant_params
@@ -18,7 +19,9 @@ from tests.conftest import REPO_ROOT, make_params
 
 
 def train_command(params: Path, out: Path) -> list[str]:
+    backbone = yaml.safe_load(params.read_text())["model"]["name"]
     return [sys.executable, "-m", "stages.train", "--variant", "base", "--params-file", str(params),
+            "--pretrained-dir", backbone,
             "--tokenized-dir", str(out.parent / "tok"), "--models-dir", str(out / "models"),
             "--metrics-dir", str(out / "metrics"), "--checkpoints-dir", str(out / "ck")]
 

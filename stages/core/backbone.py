@@ -10,10 +10,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import json
 import logging
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+
+PROVENANCE_FILE = "pretrain.json"  # in the `pretrain` stage's output: which backbone, and whether trained
 
 
 class BackboneError(RuntimeError):
@@ -111,3 +115,40 @@ def load_encoder(name: str, **kwargs):
         return AutoModel.from_pretrained(source, attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError) as error:
         raise not_found_error(name, error) from error
+
+
+def load_masked_lm(name: str):
+    """The backbone with a masked-LM head, and whether that head came from the checkpoint.
+
+    A checkpoint without one (the default backbone has none) gets a fresh head whose decoder is tied to
+    the word embeddings, as in BERT; the encoder weights are the backbone's either way.
+    """
+    from transformers import AutoModelForMaskedLM
+
+    source = resolve_backbone(name)
+    try:
+        model, info = AutoModelForMaskedLM.from_pretrained(source, attn_implementation="sdpa",
+                                                           output_loading_info=True)
+    except (OSError, ValueError) as error:
+        raise not_found_error(name, error) from error
+    prefix = f"{model.base_model_prefix}."
+    fresh_head = [key for key in info["missing_keys"] if not key.startswith(prefix)]
+    fresh_encoder = [key for key in info["missing_keys"] if key.startswith(prefix)]
+    if fresh_encoder:
+        raise BackboneError(f"backbone {name!r} lacks encoder weights the masked-LM model needs: "
+                            f"{', '.join(sorted(fresh_encoder)[:5])}")
+    return model, not fresh_head
+
+
+def starting_point(backbone: str, pretrained: Path | None) -> str:
+    """The encoder to fine-tune: the `pretrain` stage's output, which must come from model.name."""
+    if pretrained is None:
+        return backbone
+    provenance_file = pretrained / PROVENANCE_FILE
+    if not provenance_file.is_file():
+        raise BackboneError(f"{provenance_file} is missing; run `dvc repro pretrain` first")
+    source = json.loads(provenance_file.read_text(encoding="utf-8"))["backbone"]
+    if source != backbone:
+        raise BackboneError(f"{pretrained} was made from {source!r} but this variant's model.name is {backbone!r}; "
+                            "tokenize and pretrain use the shared model.name, so a variant cannot override it")
+    return str(pretrained)

@@ -30,8 +30,33 @@ class TokenColumn:
         # flatten() honours a slice; the offsets of a sliced array still count from the unsliced start.
         return cls(array.flatten().to_numpy().astype(np.int64), offsets - offsets[0])
 
+    @classmethod
+    def concat(cls, columns: list[TokenColumn]) -> TokenColumn:
+        """One column holding the rows of `columns` one after another."""
+        starts = np.cumsum([0] + [len(c.values) for c in columns[:-1]])
+        offsets = [np.zeros(1, dtype=np.int64)] + [c.offsets[1:] + start
+                                                   for c, start in zip(columns, starts, strict=True)]
+        return cls(np.concatenate([c.values for c in columns]), np.concatenate(offsets))
+
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    def take(self, rows: np.ndarray) -> TokenColumn:
+        """A column of the given rows, in that order."""
+        lengths = self.lengths()[rows]
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        gather = np.repeat(self.offsets[rows] - offsets[:-1], lengths) + np.arange(offsets[-1])
+        return TokenColumn(self.values[gather], offsets)
+
+    def padded_to(self, rows: np.ndarray, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like `padded`, but rows longer than max_length are cut and keep their last token (e.g. [SEP])."""
+        ids, mask = self.padded(rows)
+        if ids.shape[1] <= max_length:
+            return ids, mask
+        ids, mask = ids[:, :max_length].clone(), mask[:, :max_length]
+        cut = torch.from_numpy(self.lengths()[rows] > max_length)
+        ids[cut, max_length - 1] = torch.from_numpy(self.values[self.offsets[rows + 1] - 1])[cut]
+        return ids, mask
 
     def padded(self, rows: np.ndarray, pad_value: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, attention mask), each (len(rows), longest row)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,25 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
         os.replace(temp, path)
     finally:
         temp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: Path | str) -> Iterator[Path]:
+    """Yield an empty temporary folder beside `path`; on success swap it in for `path`, on failure delete it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        yield temp
+        os.chmod(temp, 0o777 & ~_UMASK)  # mkdtemp creates 0700
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(temp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def write_text(path: Path | str, text: str) -> None:

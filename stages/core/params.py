@@ -63,6 +63,37 @@ class ModelParams:
     task_layers: int = _bounded(ge=0)  # cerbertus: top encoder layers each task has its own copy of
 
 
+Split = Literal["train", "dev", "test"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainParams:
+    """Masked-LM further pretraining of the backbone on the tasks' text (stage `pretrain`)."""
+    enabled: bool  # false: the stage passes the backbone through unchanged
+    corpus: list[Split]  # splits whose text is trained on; dev/test text is transductive (labels never read)
+    mask_prob: float = _bounded(gt=0.0, lt=1.0)  # share of tokens (whole_word: of words) chosen
+    whole_word: bool  # choose whole words: all WordPiece pieces of a word together
+    steps: int = _bounded(ge=1)
+    batch_size: int = _bounded(ge=1)
+    lr: float = _bounded(gt=0.0)
+    weight_decay: float = _bounded(ge=0.0)
+    warmup_fraction: float = _bounded(ge=0.0, lt=1.0)
+    layer_decay: float = _bounded(gt=0.0, le=1.0)  # LR factor per encoder layer towards the input
+    grad_clip: float = _bounded(ge=0.0)  # 0 turns clipping off
+    max_length: int = _bounded(ge=8)  # tokens per sentence; longer ones are cut (ending in [SEP])
+    bucket_batches: int = _bounded(ge=1)
+    eval_every: int = _bounded(ge=1)  # steps between held-out evaluations
+    eval_examples: int = _bounded(ge=0)  # dev sentences in the held-out set; 0 = all
+    bf16: bool
+    seed: int = _bounded(ge=0)
+    threads: int = _bounded(ge=0)
+    checkpoint_every: int = _bounded(ge=1)  # steps between resume checkpoints
+
+    def __post_init__(self):
+        if not self.corpus or len(set(self.corpus)) != len(self.corpus):
+            raise ParamsError(f"corpus: expected a non-empty list of distinct splits, got {self.corpus!r}")
+
+
 Pooling = Literal["cls", "mean", "max", "attention"]
 
 
@@ -177,6 +208,7 @@ class Params:
     data: DataParams
     tokenize: TokenizeParams
     model: ModelParams
+    pretrain: PretrainParams
     heads: HeadsParams
     train: TrainParams
     smart: SmartParams
