@@ -32,7 +32,7 @@ from stages.core import io
 from stages.core.backbone import PROVENANCE_FILE, load_encoder, load_masked_lm, load_tokenizer
 from stages.core.batches import TokenColumn, eval_batches, load_split
 from stages.core.masking import IGNORE_INDEX, MaskingVocab, mask_tokens
-from stages.core.optim import layer_of, no_weight_decay
+from stages.core.optim import adamw, layer_of, no_weight_decay
 from stages.core.params import Params, PretrainParams, as_dict, load_params
 from stages.core.resume import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from stages.core.runtime import setup_logging, setup_torch
@@ -153,8 +153,8 @@ class Pretrainer:
             scale = self.p.layer_decay ** max(num_layers - layer_of(name, num_layers), 0)
             decay = 0.0 if no_weight_decay(name, parameter) else self.p.weight_decay
             groups.setdefault((scale, decay), []).append(parameter)
-        optimizer = torch.optim.AdamW([{"params": ps, "lr": self.p.lr * scale, "weight_decay": decay}
-                                       for (scale, decay), ps in groups.items()], lr=self.p.lr)
+        optimizer = adamw([{"params": ps, "lr": self.p.lr * scale, "weight_decay": decay}
+                           for (scale, decay), ps in groups.items()], self.p.lr)
         scheduler = get_linear_schedule_with_warmup(optimizer, int(self.p.warmup_fraction * self.p.steps),
                                                     self.p.steps)
         return optimizer, scheduler

@@ -57,9 +57,16 @@ def param_groups(model: nn.Module, num_layers: int, params: TrainParams) -> list
     return list(groups.values())
 
 
+def adamw(groups: list[dict], lr: float) -> torch.optim.AdamW:
+    """AdamW with PyTorch's fused kernel where the device has one: on 2 CPU cores its step over MiniLM's
+    23M parameters measured ~0.03 s against ~0.2 s for the default multi-tensor one."""
+    devices = {parameter.device.type for group in groups for parameter in group["params"]}
+    return torch.optim.AdamW(groups, lr=lr, fused=True if devices <= {"cpu", "cuda"} else None)
+
+
 def make_optimizer(model: nn.Module, num_layers: int, params: TrainParams, total_steps: int):
     groups = param_groups(model, num_layers, params)
-    optimizer = torch.optim.AdamW([{k: v for k, v in g.items() if k != "names"} for g in groups], lr=params.lr)
+    optimizer = adamw([{k: v for k, v in g.items() if k != "names"} for g in groups], params.lr)
     warmup = int(params.warmup_fraction * total_steps)
     make_schedule = SCHEDULES[params.schedule]
     if params.schedule == "constant":

@@ -1,0 +1,5 @@
+"""`python -m bench`: the whole benchmark suite (bench/suite.py)."""
+
+from bench.suite import app
+
+app()

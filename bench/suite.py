@@ -1,0 +1,255 @@
+"""The speed benchmarks: every figure a ratio against a baseline measured in the same run.
+
+    python -m bench [--train-steps 24] [--json-out metrics/bench.json]
+
+1. training throughput of the default variant (examples/s, non-padding tokens/s) against the naive
+   baseline of the common GLUE example scripts: every batch padded to tokenize.max_length, fp32, no
+   length bucketing; and with bf16 autocast on top of the defaults;
+2. useful training FLOP/s (6 x non-embedding parameters x non-padding tokens) as a fraction of this
+   machine's bf16 matmul peak, measured here;
+3. SMART (K = 1) step time over plain step time (bench/smart_step.py's measurement);
+4. prediction throughput (sentences/s) of `predict`'s code against the same naive padding;
+5. `tokenize` wall time for all nine files, interpreter start included;
+6. peak resident memory of a process training the default variant (steps, an evaluation, a checkpoint).
+
+The configurations being compared alternate in short blocks over the same kind of real batches, so a
+change in the machine's speed during the run hits all of them alike. Needs data/tokenized
+(`dvc repro tokenize`) and data/raw.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import typer
+
+from bench.smart_step import plain_objective, smart_objective, timed_steps
+from stages.core.batches import TaskSplit, eval_batches, load_split
+from stages.core.params import variant_params
+from stages.core.runtime import setup_logging
+from stages.core.sampling import TaskStream
+from stages.core.tasks import TASK_NAMES
+from stages.train import Paths, Trainer
+
+TARGETS = {"train_speedup": 3.0, "peak_fraction": 0.40, "smart_ratio": 2.5, "tokenize_seconds": 15.0,
+           "peak_rss_gib": 3.0}
+app = typer.Typer(add_completion=False)
+
+
+# --- the machine ------------------------------------------------------------------------------------
+def matmul_gflops(dtype: torch.dtype, size: int = 1024, seconds: float = 2.0) -> float:
+    """Best sustained GFLOP/s of square matmuls in `dtype` over about `seconds`."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    torch.mm(a, b)  # warm-up
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        started = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        best = max(best, 4 * 2 * size ** 3 / (time.perf_counter() - started) / 1e9)
+    return best
+
+
+# --- training ---------------------------------------------------------------------------------------
+def pad_to(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """Every token tensor of a batch padded with zeros ([PAD], mask 0, type 0) to `length` columns."""
+    return {k: v if k == "labels" else torch.nn.functional.pad(v, (0, length - v.shape[1]))
+            for k, v in batch.items()}
+
+
+class TrainConfig:
+    """One way of feeding the trainer: its batch streams, padding rule and precision."""
+
+    def __init__(self, name: str, trainer: Trainer, *, bucket_batches: int, pad_length: int | None, bf16: bool):
+        self.name, self.trainer, self.pad_length, self.bf16 = name, trainer, pad_length, bf16
+        self.streams = {t: TaskStream(split.lengths(trainer.model.encoding(t)), getattr(trainer.p.batch_size, t),
+                                      bucket_batches, trainer.p.seed, i)
+                        for i, (t, split) in enumerate(trainer.train_data.items())}
+        self.seconds, self.examples, self.tokens = 0.0, 0, 0
+
+    def step(self, task: str) -> None:
+        rows = self.streams[task].next()
+        batch = self.trainer.train_data[task].batch(rows, self.trainer.model.encoding(task))
+        if self.pad_length is not None:
+            batch = pad_to(batch, self.pad_length)
+        self.trainer.objective.bf16 = self.bf16
+        started = time.perf_counter()
+        result = self.trainer.objective(self.trainer.model, task, batch)
+        result.total.backward()
+        self.trainer.update()
+        self.seconds += time.perf_counter() - started
+        self.examples += len(rows)
+        self.tokens += int(sum(v.sum() for k, v in batch.items() if k.startswith("attention_mask")))
+
+    def figures(self) -> dict:
+        return {"examples_per_second": round(self.examples / self.seconds, 2),
+                "tokens_per_second": round(self.tokens / self.seconds, 1), "seconds": round(self.seconds, 2),
+                "examples": self.examples}
+
+
+def train_throughput(trainer: Trainer, steps: int, block: int) -> dict[str, TrainConfig]:
+    max_length = trainer.params.tokenize.max_length
+    configs = {
+        "naive": TrainConfig("naive", trainer, bucket_batches=1, pad_length=max_length, bf16=False),
+        "default": TrainConfig("default", trainer, bucket_batches=trainer.p.bucket_batches, pad_length=None,
+                               bf16=trainer.p.bf16),
+        "default_bf16": TrainConfig("default_bf16", trainer, bucket_batches=trainer.p.bucket_batches,
+                                    pad_length=None, bf16=True),
+    }
+    schedule = [tasks[0] for tasks in trainer.schedule(0)]
+    for config in configs.values():  # warm-up, then reset the counters
+        config.step(schedule[0])
+        config.seconds, config.examples, config.tokens = 0.0, 0, 0
+    for start in range(0, steps, block):
+        for config in configs.values():
+            for task in schedule[start:start + block]:
+                config.step(task)
+    return configs
+
+
+def non_embedding_parameters(trainer: Trainer) -> int:
+    embeddings = sum(p.numel() for n, p in trainer.model.named_parameters() if "embeddings" in n)
+    return trainer.parameter_count() - embeddings
+
+
+# --- prediction -------------------------------------------------------------------------------------
+def predict_seconds(trainer: Trainer, dev: dict[str, TaskSplit], batch_size: int, pad_length: int | None) -> float:
+    """Wall time to predict the dev splits: length-sorted batches (pad_length None) or file order, padded."""
+    model = trainer.model.eval()
+    seconds = 0.0
+    with torch.inference_mode():
+        for task, split in dev.items():
+            encoding = model.encoding(task)
+            lengths = split.lengths(encoding)
+            batches = eval_batches(lengths, batch_size) if pad_length is None else \
+                [np.arange(i, min(i + batch_size, len(split))) for i in range(0, len(split), batch_size)]
+            started = time.perf_counter()
+            for rows in batches:
+                batch = split.batch(rows, encoding)
+                model.predictions(task, model(task, pad_to(batch, pad_length) if pad_length else batch))
+            seconds += time.perf_counter() - started
+    model.train()
+    return seconds
+
+
+# --- separate processes -----------------------------------------------------------------------------
+def tokenize_seconds(params_file: Path) -> float:
+    with tempfile.TemporaryDirectory() as scratch:
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "stages.tokenize", "--params-file", str(params_file),
+                        "--out-dir", f"{scratch}/tok", "--rejects-file", f"{scratch}/rejects.tsv",
+                        "--metrics-file", f"{scratch}/data.json"], check=True, capture_output=True)
+        return time.perf_counter() - started
+
+
+def training_peak_rss_gib(params_file: Path, variant: str, steps: int) -> float:
+    """Peak RSS of a child that trains `steps` steps, evaluates on dev and writes a resume checkpoint."""
+    child = subprocess.run([sys.executable, "-m", "bench.train_memory", "--steps", str(steps), "--variant", variant,
+                            "--params-file", str(params_file)], check=True, capture_output=True, text=True)
+    return json.loads(child.stdout.strip().splitlines()[-1])["peak_rss_gib"]
+
+
+# --- the report -------------------------------------------------------------------------------------
+@app.command()
+def main(train_steps: int = typer.Option(24, help="timed training steps per configuration"),
+         block: int = typer.Option(4, help="steps per block; the configurations alternate block by block"),
+         smart_steps: int = typer.Option(12, help="timed steps each for SMART and plain"),
+         predict_examples: int = typer.Option(1000, help="dev examples per task for the prediction benchmark"),
+         memory_steps: int = typer.Option(20, help="training steps of the peak-memory child"),
+         variant: str = typer.Option("base"),
+         params_file: Path = typer.Option(Path("params.yaml")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         json_out: Path = typer.Option(Path("metrics/bench.json"))) -> None:
+    setup_logging()
+    params = variant_params(params_file, variant)
+    torch.set_num_threads(params.train.threads or torch.get_num_threads())
+    figures: dict = {"threads": torch.get_num_threads()}
+    print(f"matmul peak ({figures['threads']} threads) ...", flush=True)
+    figures["matmul_gflops"] = {"fp32": round(matmul_gflops(torch.float32), 1),
+                                "bf16": round(matmul_gflops(torch.bfloat16), 1)}
+    with tempfile.TemporaryDirectory() as scratch:
+        paths = Paths(tokenized=tokenized_dir, model_out=Path(scratch), metrics_out=Path(scratch),
+                      live_dir=Path(scratch), checkpoints=Path(scratch))
+        trainer = Trainer(params, variant, paths)
+        trainer.model.train()
+        print(f"training: naive / default / default+bf16, {train_steps} steps each ...", flush=True)
+        configs = train_throughput(trainer, train_steps, block)
+        figures["train"] = {name: config.figures() for name, config in configs.items()}
+        flops = 6 * non_embedding_parameters(trainer)
+        for name, config in configs.items():
+            useful = flops * config.tokens / config.seconds / 1e9
+            figures["train"][name]["useful_gflops"] = round(useful, 1)
+            figures["train"][name]["fraction_of_bf16_peak"] = round(useful / figures["matmul_gflops"]["bf16"], 3)
+        naive = figures["train"]["naive"]["examples_per_second"]
+        figures["train_speedup"] = {name: round(figures["train"][name]["examples_per_second"] / naive, 2)
+                                    for name in ("default", "default_bf16")}
+        print(f"SMART(K=1) vs plain, {smart_steps} steps each ...", flush=True)
+        figures["smart_ratio"] = smart_ratio(trainer, smart_steps)
+        print("prediction: length-sorted vs padded to max_length ...", flush=True)
+        dev = {t: load_split(tokenized_dir, t, "dev", predict_examples) for t in TASK_NAMES}
+        sentences = sum(len(s) for s in dev.values())
+        batch_size = params.predict.batch_size
+        naive_s = predict_seconds(trainer, dev, batch_size, params.tokenize.max_length)
+        default_s = predict_seconds(trainer, dev, batch_size, None)
+        figures["predict"] = {"naive_sentences_per_second": round(sentences / naive_s, 1),
+                              "sentences_per_second": round(sentences / default_s, 1),
+                              "speedup": round(naive_s / default_s, 2)}
+        del trainer
+    print("tokenize (a fresh process) ...", flush=True)
+    figures["tokenize_seconds"] = round(tokenize_seconds(params_file), 2)
+    print(f"peak memory of training ({memory_steps} steps, evaluation, checkpoint) ...", flush=True)
+    figures["peak_rss_gib"] = round(training_peak_rss_gib(params_file, variant, memory_steps), 2)
+    figures["targets"] = TARGETS
+    report(figures)
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def smart_ratio(trainer: Trainer, steps: int, block: int = 2) -> float:
+    plain, smart = plain_objective(trainer), smart_objective(trainer, 1)
+    schedule = trainer.schedule(0)[: block + steps]
+    for objective in (plain, smart):
+        timed_steps(trainer, objective, schedule[:block])
+    times = {"plain": 0.0, "smart": 0.0}
+    for start in range(block, len(schedule), block):
+        for name, objective in (("plain", plain), ("smart", smart)):
+            times[name] += sum(timed_steps(trainer, objective, schedule[start:start + block]))
+    return round(times["smart"] / times["plain"], 3)
+
+
+def verdict(value: float, target: float, higher_is_better: bool) -> str:
+    met = value >= target if higher_is_better else value <= target
+    return f"(target {'>=' if higher_is_better else '<='} {target}: {'met' if met else 'NOT met'})"
+
+
+def report(f: dict) -> None:
+    t = f["train"]
+    print(f"\nmatmul peak: fp32 {f['matmul_gflops']['fp32']} GFLOP/s, bf16 {f['matmul_gflops']['bf16']} GFLOP/s")
+    for name in ("naive", "default", "default_bf16"):
+        print(f"train {name:13s} {t[name]['examples_per_second']:7.1f} examples/s "
+              f"{t[name]['tokens_per_second']:8.0f} tokens/s  {t[name]['useful_gflops']:6.1f} useful GFLOP/s "
+              f"= {t[name]['fraction_of_bf16_peak']:.1%} of bf16 peak")
+    for name in ("default", "default_bf16"):
+        print(f"1. train speed-up {name} / naive: {f['train_speedup'][name]:.2f}x "
+              f"{verdict(f['train_speedup'][name], TARGETS['train_speedup'], True)}")
+    best = max(t["default"]["fraction_of_bf16_peak"], t["default_bf16"]["fraction_of_bf16_peak"])
+    print(f"2. best fraction of bf16 peak: {best:.1%} {verdict(best, TARGETS['peak_fraction'], True)}")
+    print(f"3. SMART(K=1) / plain step time: {f['smart_ratio']:.2f}x "
+          f"{verdict(f['smart_ratio'], TARGETS['smart_ratio'], False)}")
+    print(f"4. predict: {f['predict']['sentences_per_second']} sentences/s vs naive "
+          f"{f['predict']['naive_sentences_per_second']}: {f['predict']['speedup']:.2f}x")
+    print(f"5. tokenize wall time: {f['tokenize_seconds']:.1f} s "
+          f"{verdict(f['tokenize_seconds'], TARGETS['tokenize_seconds'], False)}")
+    print(f"6. peak RSS of training: {f['peak_rss_gib']:.2f} GiB "
+          f"{verdict(f['peak_rss_gib'], TARGETS['peak_rss_gib'], False)}")
+
+
+if __name__ == "__main__":
+    app()
