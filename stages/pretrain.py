@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +32,20 @@ from tqdm.auto import tqdm
 from stages.core import io
 from stages.core.backbone import PROVENANCE_FILE, load_encoder, load_masked_lm, load_tokenizer
 from stages.core.batches import TokenColumn, eval_batches, load_split
+from stages.core.distributed import (
+    average_gradients,
+    average_tensor,
+    broadcast,
+    device_for,
+    gather,
+    init_ranks,
+    relaunch_with_torchrun,
+    shard,
+    shutdown,
+    sync_parameters,
+    threads_per_rank,
+    under_torchrun,
+)
 from stages.core.masking import IGNORE_INDEX, MaskingVocab, mask_tokens
 from stages.core.optim import adamw, layer_of, no_weight_decay
 from stages.core.params import Params, PretrainParams, as_dict, load_params
@@ -61,12 +76,15 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
          checkpoints_dir: Path = typer.Option(Path("checkpoints/pretrain"))) -> None:
     setup_logging()
     params = load_params(params_file)
+    if params.pretrain.enabled and params.pretrain.nproc > 1 and not under_torchrun():
+        relaunch_with_torchrun(params.pretrain.nproc, "stages.pretrain", sys.argv[1:])
     paths = Paths(tokenized=tokenized_dir, model_out=out_dir, metrics_out=metrics_file, live_dir=live_dir,
                   checkpoints=checkpoints_dir)
     if params.pretrain.enabled:
         summary = Pretrainer(params, paths).run()
-        log.info("done: held-out perplexity %.2f -> %.2f", summary["before"]["perplexity"],
-                 summary["after"]["perplexity"])
+        if summary:  # the main rank's
+                log.info("done: held-out perplexity %.2f -> %.2f", summary["before"]["perplexity"],
+                     summary["after"]["perplexity"])
     else:
         pass_through(params, paths)
 
@@ -114,11 +132,15 @@ class Pretrainer:
 
     def __init__(self, params: Params, paths: Paths):
         self.params, self.p, self.paths = params, params.pretrain, paths
-        self.device = setup_torch(self.p.seed, self.p.threads)
+        self.ranks = init_ranks()
+        self.device = setup_torch(self.p.seed, threads_per_rank(self.p.threads, self.ranks))
+        if self.ranks.distributed:
+            self.device = device_for(self.ranks)
         self.tokenizer = load_tokenizer(params.model.name)
         self.vocab = MaskingVocab.from_tokenizer(self.tokenizer)
         self.model, self.head_from_checkpoint = load_masked_lm(params.model.name)
         self.model.to(self.device).train()
+        sync_parameters(self.model, self.ranks)
         if not self.head_from_checkpoint:
             log.info("%s has no masked-LM head: training a fresh one, its decoder tied to the word embeddings",
                      params.model.name)
@@ -129,7 +151,7 @@ class Pretrainer:
         self.held_out = self._masked_held_out(held_out_sentences(paths.tokenized, self.p))
         self.generator = torch.Generator().manual_seed(self.p.seed)  # the training masks
         self.optimizer, self.scheduler = self._optimizer()
-        self.fingerprint = run_fingerprint(params, paths.tokenized)
+        self.fingerprint = run_fingerprint(params, paths.tokenized, self.ranks.world_size)
         self.step, self.history, self.train_seconds = 0, [], 0.0
         self.running = {"loss_sum": 0.0, "batches": 0, "tokens": 0}
 
@@ -163,7 +185,8 @@ class Pretrainer:
     def state(self) -> dict:
         return {"fingerprint": self.fingerprint, "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "rng": rng_state(), "generator": self.generator.get_state(), "stream": self.stream.state(),
+                "ranks": gather({"rng": rng_state(), "generator": self.generator.get_state()}, self.ranks),
+                "stream": self.stream.state(),
                 "step": self.step, "history": json.dumps(self.history), "running": json.dumps(self.running),
                 "train_seconds": self.train_seconds}
 
@@ -171,8 +194,9 @@ class Pretrainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        self.generator.set_state(state["generator"])
+        own = state["ranks"][self.ranks.rank]  # what differs between ranks: the dropout RNG
+        set_rng_state(own["rng"])
+        self.generator.set_state(own["generator"])
         self.stream.load_state(state["stream"])
         self.step, self.train_seconds = state["step"], state["train_seconds"]
         self.history, self.running = json.loads(state["history"]), json.loads(state["running"])
@@ -190,7 +214,8 @@ class Pretrainer:
         live = self._open_live()
         if not self.history:
             self._evaluate(live)  # step 0: the backbone (and a fresh head) before any training
-        progress = tqdm(total=self.p.steps, initial=self.step, desc="masked-LM", unit="step", mininterval=2.0)
+        progress = tqdm(total=self.p.steps, initial=self.step, desc="masked-LM", unit="step", mininterval=2.0,
+                        disable=not self.ranks.is_main)
         started = time.perf_counter()
         while self.step < self.p.steps:
             self._train_step()
@@ -202,25 +227,40 @@ class Pretrainer:
             if self.step % self.p.checkpoint_every == 0 and self.step < self.p.steps:
                 self.train_seconds += time.perf_counter() - started
                 started = time.perf_counter()
-                save_checkpoint(self.paths.checkpoints / "last.pt", self.state())
+                self._checkpoint()
                 if stop_after is not None and self.step >= stop_after:
                     progress.close()
                     return None
         progress.close()
-        live.end()
-        return self._finish()
+        if live is not None:
+            live.end()
+        summary = self._finish()
+        shutdown(self.ranks)
+        return summary
+
+    def _checkpoint(self) -> None:
+        state = self.state()  # on every rank: it gathers each rank's RNG
+        if self.ranks.is_main:
+            save_checkpoint(self.paths.checkpoints / "last.pt", state)
 
     def _train_step(self) -> None:
         rows = self.stream.next()
         ids, mask = self.corpus.padded_to(rows, self.p.max_length)
+        # Every rank masks the whole global batch (the same draws) and keeps its rows, so the masks do
+        # not depend on the number of processes.
         corrupted, labels = mask_tokens(ids, mask, self.vocab, mask_prob=self.p.mask_prob,
                                         whole_word=self.p.whole_word, generator=self.generator)
-        loss, _ = self._loss(corrupted, mask, labels)
+        mine = torch.from_numpy(shard(np.arange(len(rows)), self.ranks))
+        corrupted, mask, labels = corrupted[mine], mask[mine], labels[mine]
+        loss, chosen = self._loss(corrupted, mask, labels)
         if not torch.isfinite(loss):
             raise RuntimeError(f"non-finite masked-LM loss ({loss.item()}) at step {self.step + 1}; "
                                f"the last good checkpoint is kept in {self.paths.checkpoints}. "
                                "Lower pretrain.lr or turn off pretrain.bf16.")
-        loss.backward()
+        # The mean over all ranks' chosen tokens: weight this rank's mean by its share of them.
+        mean_chosen = average_tensor(torch.tensor(float(chosen), device=self.device), self.ranks)
+        (loss * (chosen / mean_chosen.clamp(min=1.0)).item() if self.ranks.distributed else loss).backward()
+        average_gradients([p for p in self.model.parameters() if p.requires_grad], self.ranks)
         if self.p.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.p.grad_clip)
         self.optimizer.step()
@@ -257,6 +297,15 @@ class Pretrainer:
         return heads[0]
 
     def _evaluate(self, live) -> None:
+        """Held-out loss on the main rank; every rank appends the same record."""
+        record = self._held_out_record() if self.ranks.is_main else None
+        record = broadcast(record, self.ranks)
+        self.history.append(record)
+        self.running = {"loss_sum": 0.0, "batches": 0, "tokens": self.running["tokens"]}
+        if live is not None:
+            log_record(live, record)
+
+    def _held_out_record(self) -> dict:
         self.model.eval()
         total, count = 0.0, 0
         with torch.inference_mode():
@@ -268,17 +317,17 @@ class Pretrainer:
         record = {"step": self.step, "loss": loss, "perplexity": math.exp(loss),
                   "train_loss": self.running["loss_sum"] / self.running["batches"] if self.running["batches"]
                   else None}
-        self.history.append(record)
-        self.running = {"loss_sum": 0.0, "batches": 0, "tokens": self.running["tokens"]}
         log.info("step %d: held-out masked-LM loss %.4f, perplexity %.2f%s", self.step, loss, record["perplexity"],
                  "" if record["train_loss"] is None else f", train loss {record['train_loss']:.4f}")
-        log_record(live, record)
+        return record
 
     # --- outputs ----------------------------------------------------------------------------------
     def _open_live(self):
         """A fresh DVCLive folder with the history so far replayed, so a resumed run logs each point once."""
         from dvclive import Live
 
+        if not self.ranks.is_main:
+            return None
         shutil.rmtree(self.paths.live_dir, ignore_errors=True)
         live = Live(dir=str(self.paths.live_dir), resume=False, report=None, save_dvc_exp=False, dvcyaml=None)
         for record in self.history:
@@ -286,6 +335,10 @@ class Pretrainer:
         return live
 
     def _finish(self) -> dict:
+        tokens = average_tensor(torch.tensor(float(self.running["tokens"]), device=self.device), self.ranks)
+        self.running["tokens"] = int(tokens.item() * self.ranks.world_size)  # summed over ranks
+        if not self.ranks.is_main:
+            return {}
         encoder = load_encoder(self.params.model.name)  # for the pooler, which masked-LM leaves alone
         missing, unexpected = encoder.load_state_dict(self.model.base_model.state_dict(), strict=False)
         if unexpected or any(not key.startswith("pooler.") for key in missing):
@@ -304,7 +357,7 @@ class Pretrainer:
                    "after": {k: self.history[-1][k] for k in ("loss", "perplexity")},
                    "history": self.history,
                    # The only part that differs between identical runs:
-                   "speed": {"train_seconds": round(self.train_seconds, 1),
+                   "speed": {"processes": self.ranks.world_size, "train_seconds": round(self.train_seconds, 1),
                              "steps_per_second": round(self.step / max(self.train_seconds, 1e-9), 3),
                              "tokens_per_second": round(self.running["tokens"] / max(self.train_seconds, 1e-9), 1)}}
         io.write_json(self.paths.metrics_out, summary)
@@ -321,10 +374,10 @@ def log_record(live, record: dict) -> None:
     live.next_step()
 
 
-def run_fingerprint(params: Params, tokenized_dir: Path) -> str:
+def run_fingerprint(params: Params, tokenized_dir: Path, world_size: int = 1) -> str:
     """Identifies a run: the pretrain params (less threads and checkpointing), backbone and text."""
     relevant = {k: v for k, v in as_dict(params.pretrain).items() if k not in ("threads", "checkpoint_every")}
-    digest = hashlib.sha256(json.dumps({"pretrain": relevant, "backbone": params.model.name},
+    digest = hashlib.sha256(json.dumps({"pretrain": relevant, "backbone": params.model.name, "world_size": world_size},
                                        sort_keys=True).encode())
     for task in TASKS:
         for split in sorted(set(params.pretrain.corpus) | {"dev"}):

@@ -14,11 +14,13 @@ import json
 import logging
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import typer
 from tqdm.auto import tqdm
 
@@ -26,6 +28,20 @@ from stages.core import io
 from stages.core.backbone import load_encoder, load_tokenizer, starting_point
 from stages.core.batches import load_split
 from stages.core.checkpoint import save_model
+from stages.core.distributed import (
+    average_gradients,
+    average_tensor,
+    broadcast,
+    device_for,
+    gather,
+    init_ranks,
+    relaunch_with_torchrun,
+    shard,
+    shutdown,
+    sync_parameters,
+    threads_per_rank,
+    under_torchrun,
+)
 from stages.core.evaluation import evaluate
 from stages.core.model import MultitaskModel
 from stages.core.objective import BatchLoss, Objective
@@ -65,6 +81,8 @@ def main(variant: str = typer.Option(..., "--variant", help="a key of `models:` 
          pretrained_dir: Path = typer.Option(Path("models/pretrained"), help="the encoder to start from")) -> None:
     setup_logging()
     params = variant_params(params_file, variant)
+    if params.train.nproc > 1 and not under_torchrun():
+        relaunch_with_torchrun(params.train.nproc, "stages.train", sys.argv[1:])
     paths = Paths(tokenized=tokenized_dir, model_out=models_dir / variant,
                   metrics_out=metrics_dir / f"{variant}.json", live_dir=metrics_dir / variant,
                   checkpoints=checkpoints_dir / variant, pretrained=pretrained_dir)
@@ -78,11 +96,15 @@ class Trainer:
     def __init__(self, params: Params, variant: str, paths: Paths):
         self.params, self.variant, self.paths = params, variant, paths
         self.p = params.train
-        self.device = setup_torch(self.p.seed, self.p.threads)
+        self.ranks = init_ranks()
+        self.device = setup_torch(self.p.seed, threads_per_rank(self.p.threads, self.ranks))
+        if self.ranks.distributed:
+            self.device = device_for(self.ranks)
         start = starting_point(params.model.name, paths.pretrained)
         self.tokenizer = load_tokenizer(start)
         self.model = MultitaskModel(load_encoder(start), params.heads, params.model.arch,
                                     params.model.task_layers).to(self.device)
+        sync_parameters(self.model, self.ranks)
         self.train_data = {t: load_split(paths.tokenized, t, "train", self.p.max_examples) for t in TASK_NAMES}
         self.dev_data = {t: load_split(paths.tokenized, t, "dev", self.p.max_examples) for t in TASK_NAMES}
         self.streams = {t: TaskStream(split.lengths(self.model.encoding(t)), getattr(self.p.batch_size, t),
@@ -94,7 +116,7 @@ class Trainer:
         self.optimizer, self.scheduler = make_optimizer(self.model, num_layers, self.p,
                                                         updates_per_epoch * self.p.epochs)
         self.objective = Objective(self.model, params.smart, self.device, self.p.bf16, self.p.seed)
-        self.fingerprint = run_fingerprint(params, paths.tokenized, paths.pretrained)
+        self.fingerprint = run_fingerprint(params, paths.tokenized, paths.pretrained, self.ranks.world_size)
         self.epoch, self.step_in_epoch, self.updates = 0, 0, 0
         self.history: list[dict] = []
         self.best = {"epoch": -1, "overall": -math.inf}
@@ -116,8 +138,8 @@ class Trainer:
     def state(self) -> dict:
         return {"fingerprint": self.fingerprint, "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "objective": self.objective.state_dict(),
-                "rng": rng_state(), "streams": {t: s.state() for t, s in self.streams.items()},
+                "ranks": gather({"rng": rng_state(), "objective": self.objective.state_dict()}, self.ranks),
+                "streams": {t: s.state() for t, s in self.streams.items()},
                 "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "updates": self.updates,
                 "history": json.dumps(self.history), "best": json.dumps(self.best),
                 "running": json.dumps(self.running), "train_seconds": self.train_seconds}
@@ -126,8 +148,9 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.objective.load_state_dict(state["objective"])
-        set_rng_state(state["rng"])
+        own = state["ranks"][self.ranks.rank]  # what differs between ranks: dropout RNG, SMART's noise
+        self.objective.load_state_dict(own["objective"])
+        set_rng_state(own["rng"])
         for task, stream in self.streams.items():
             stream.load_state(state["streams"][task])
         self.epoch, self.step_in_epoch, self.updates = state["epoch"], state["step_in_epoch"], state["updates"]
@@ -135,7 +158,9 @@ class Trainer:
         self.running, self.train_seconds = json.loads(state["running"]), state["train_seconds"]
 
     def checkpoint(self) -> None:
-        save_checkpoint(self.paths.checkpoints / "last.pt", self.state())
+        state = self.state()  # on every rank: it gathers each rank's RNG
+        if self.ranks.is_main:
+            save_checkpoint(self.paths.checkpoints / "last.pt", state)
 
     # --- training -------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -144,21 +169,24 @@ class Trainer:
             self.load_state(state)
             log.info("resuming from epoch %d step %d", self.epoch + 1, self.step_in_epoch)
         live = self._open_live()
-        log.info("%s: arch %s, %d steps per epoch, %d epochs, sampler %s, gradient %s, %s parameters",
+        log.info("%s: arch %s, %d steps per epoch, %d epochs, sampler %s, gradient %s, %s parameters, %d rank(s)",
                  self.variant, self.params.model.arch, self.steps_per_epoch, self.p.epochs, self.p.sampler,
-                 self.p.gradient, f"{self.parameter_count():,}")
+                 self.p.gradient, f"{self.parameter_count():,}", self.ranks.world_size)
         while self.epoch < self.p.epochs:
             self._train_epoch()
             self._end_epoch(live)
-        live.end()
-        return self._finish()
+        if live is not None:
+            live.end()
+        summary = self._finish()
+        shutdown(self.ranks)
+        return summary
 
     def _train_epoch(self) -> None:
         schedule = self.schedule(self.epoch)
         self.model.train()
         started = time.perf_counter()
         progress = tqdm(total=len(schedule), initial=self.step_in_epoch, desc=f"epoch {self.epoch + 1}",
-                        unit="step", mininterval=2.0)
+                        unit="step", mininterval=2.0, disable=not self.ranks.is_main)
         while self.step_in_epoch < len(schedule):
             tasks = schedule[self.step_in_epoch]
             self.forward_backward(tasks)
@@ -177,24 +205,32 @@ class Trainer:
         """One step's losses, backpropagated (scaled for gradient accumulation) into the .grad fields."""
         per_task = []
         for task in tasks:
-            rows = self.streams[task].next()
-            batch = {k: v.to(self.device) for k, v in
-                     self.train_data[task].batch(rows, self.model.encoding(task)).items()}
-            result = self.objective(self.model, task, batch)
-            if not torch.isfinite(result.total):
-                raise TrainingError(f"non-finite {task} loss ({result.total.item()}) at epoch {self.epoch + 1} "
-                                    f"step {self.step_in_epoch + 1}; the last good checkpoint is kept in "
-                                    f"{self.paths.checkpoints}. Lower train.lr or turn off train.bf16.")
-            self._count(task, rows, batch, result)
+            global_rows = self.streams[task].next()  # the same on every rank
+            rows = shard(global_rows, self.ranks)
+            # Each rank's batch-mean loss, weighted by its share, so the average over ranks is the global mean.
+            share = len(rows) * self.ranks.world_size / len(global_rows)
+            loss = self._task_loss(task, rows) * share if len(rows) else None
             if self.p.gradient == "pcgrad":  # each task's gradient now, so only one graph is alive at a time
-                per_task.append(flat_gradient(result.total / self.p.grad_accum, self._trainable()))
-            else:
-                per_task.append(result.total)
+                gradient = flat_gradient(loss / self.p.grad_accum, self._trainable()) if loss is not None \
+                    else torch.zeros(sum(p.numel() for p in self._trainable()), device=self.device)
+                per_task.append(average_tensor(gradient, self.ranks))  # project the global gradients
+            elif loss is not None:
+                per_task.append(loss)
         if self.p.gradient == "pcgrad":
             order = np.random.default_rng([self.p.seed, 4099, self.epoch, self.step_in_epoch])
             accumulate(self._trainable(), sum(project_conflicts(per_task, order)))
-        else:
+        elif per_task:
             (sum(per_task) / self.p.grad_accum).backward()
+
+    def _task_loss(self, task: str, rows: np.ndarray) -> torch.Tensor:
+        batch = {k: v.to(self.device) for k, v in self.train_data[task].batch(rows, self.model.encoding(task)).items()}
+        result = self.objective(self.model, task, batch)
+        if not torch.isfinite(result.total):
+            raise TrainingError(f"non-finite {task} loss ({result.total.item()}) at epoch {self.epoch + 1} "
+                                f"step {self.step_in_epoch + 1}; the last good checkpoint is kept in "
+                                f"{self.paths.checkpoints}. Lower train.lr or turn off train.bf16.")
+        self._count(task, rows, batch, result)
+        return result.total
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -212,6 +248,8 @@ class Trainer:
                 running["regularisers"][f"{task}/{name}"] = (total + value, count + 1)
 
     def update(self) -> None:
+        if self.p.gradient != "pcgrad":  # pcgrad averaged each task's gradient before projecting
+            average_gradients(self._trainable(), self.ranks)
         if self.p.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.p.grad_clip)
         self.optimizer.step()
@@ -221,7 +259,11 @@ class Trainer:
         self.updates += 1
 
     def _end_epoch(self, live) -> None:
-        dev = evaluate(self.model, self.dev_data, self.p.eval_batch_size, self.device, self.p.bf16)
+        dev = None  # the main rank evaluates; the others wait for its figures
+        if self.ranks.is_main:
+            dev = evaluate(self.model, self.dev_data, self.p.eval_batch_size, self.device, self.p.bf16)
+        dev = broadcast(dev, self.ranks)
+        self._sum_running_over_ranks()
         record = {"epoch": self.epoch + 1, "dev": dev,
                   "train_loss": {t: self.running["loss_sum"][t] / max(self.running["batches"][t], 1)
                                  for t in TASK_NAMES},
@@ -237,17 +279,33 @@ class Trainer:
                      ", ".join(f"{k} {v:.3g}" for k, v in record["regularisers"].items()))
         if dev["overall"] > self.best["overall"]:
             self.best = {"epoch": self.epoch + 1, "overall": dev["overall"]}
-            save_model(self.model, self.tokenizer, self.paths.checkpoints / "best", self.model_config())
+            if self.ranks.is_main:
+                save_model(self.model, self.tokenizer, self.paths.checkpoints / "best", self.model_config())
         self.history.append(record)
         self.epoch, self.step_in_epoch, self.running = self.epoch + 1, 0, self._empty_running()
         self.checkpoint()
-        log_epoch(live, record)
+        if live is not None:
+            log_epoch(live, record)
+
+    def _sum_running_over_ranks(self) -> None:
+        """Epoch figures of all ranks: examples and tokens summed, per-task losses averaged."""
+        if not self.ranks.distributed:
+            return
+        running = self.running
+        totals = torch.tensor([running["examples"], running["tokens"], *running["loss_sum"].values()],
+                              dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        running["examples"], running["tokens"] = int(totals[0]), int(totals[1])
+        for index, task in enumerate(running["loss_sum"]):
+            running["loss_sum"][task] = float(totals[2 + index]) / self.ranks.world_size
 
     # --- outputs --------------------------------------------------------------------------------
     def _open_live(self):
         """A fresh DVCLive folder with the history so far replayed, so a resumed run logs each epoch once."""
         from dvclive import Live
 
+        if not self.ranks.is_main:
+            return None
         shutil.rmtree(self.paths.live_dir, ignore_errors=True)
         live = Live(dir=str(self.paths.live_dir), resume=False, report=None, save_dvc_exp=False, dvcyaml=None)
         for record in self.history:
@@ -268,20 +326,22 @@ class Trainer:
         summary = {"variant": self.variant, "best_epoch": self.best["epoch"], "dev": best_record["dev"],
                    "epochs": [{"epoch": r["epoch"], "dev_overall": r["dev"]["overall"],
                                "train_loss": r["train_loss"], "task_batches": r["task_batches"],
+                               "examples": r["examples"],
                                **({"regularisers": r["regularisers"]} if r["regularisers"] else {})}
                               for r in self.history],
                    "parameters": self.parameter_count(),
                    # The only part that differs between identical runs:
-                   "speed": {"train_seconds": round(self.train_seconds, 1),
+                   "speed": {"processes": self.ranks.world_size, "train_seconds": round(self.train_seconds, 1),
                              "seconds_per_step": round(self.train_seconds / (self.steps_per_epoch * self.p.epochs),
                                                        4),
                              "examples_per_second": round(examples / max(self.train_seconds, 1e-9), 2),
                              "tokens_per_second": round(sum(r["tokens"] for r in self.history)
                                                         / max(self.train_seconds, 1e-9), 1)}}
-        shutil.rmtree(self.paths.model_out, ignore_errors=True)
-        shutil.copytree(self.paths.checkpoints / "best", self.paths.model_out)
-        io.write_json(self.paths.metrics_out, summary)
-        shutil.rmtree(self.paths.checkpoints, ignore_errors=True)
+        if self.ranks.is_main:
+            shutil.rmtree(self.paths.model_out, ignore_errors=True)
+            shutil.copytree(self.paths.checkpoints / "best", self.paths.model_out)
+            io.write_json(self.paths.metrics_out, summary)
+            shutil.rmtree(self.paths.checkpoints, ignore_errors=True)
         return summary
 
 
@@ -296,13 +356,13 @@ def log_epoch(live, record: dict) -> None:
     live.next_step()
 
 
-def run_fingerprint(params: Params, tokenized_dir: Path, pretrained: Path | None) -> str:
+def run_fingerprint(params: Params, tokenized_dir: Path, pretrained: Path | None, world_size: int = 1) -> str:
     """Identifies a run: params (less the ones that do not change results), the data and the start weights."""
     digest = hashlib.sha256()
     relevant = as_dict(params)
     relevant.pop("models")  # the other variants' overrides; this variant's are already merged in
     relevant["train"] = {k: v for k, v in relevant["train"].items() if k not in ("threads", "checkpoint_every")}
-    digest.update(json.dumps(relevant, sort_keys=True).encode())
+    digest.update(json.dumps({**relevant, "world_size": world_size}, sort_keys=True).encode())
     for task in TASK_NAMES:
         for split in ("train", "dev"):
             digest.update(tokenized_path(tokenized_dir, task, split).read_bytes())

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -72,3 +73,27 @@ def test_plots_render(repo):
     shown = json.loads(output)["data"]
     assert any("sst_confusion.csv" in name for name in shown)
     assert any("dev/overall.tsv" in name for name in shown)
+
+
+def test_queued_experiments_run_and_show_with_their_metrics(repo):
+    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
+    subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "lock"], cwd=repo, check=True)  # queued runs start from HEAD
+    for name, members in (("one-member", 1), ("two-members", 2)):
+        dvc(repo, "exp", "run", "--queue", "-n", name, "-S", f"ensemble.max_members={members}")
+    dvc(repo, "queue", "start", "-j", "1")
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        status = dvc(repo, "queue", "status")
+        if "Queued" not in status and "Running" not in status:
+            break
+        time.sleep(2)
+    assert status.count("Success") == 2, status
+    shown = json.loads(dvc(repo, "exp", "show", "--json"))
+    experiments = {exp["name"]: exp for commit in shown for exp in (commit.get("experiments") or [])}
+    assert {"one-member", "two-members"} <= set(experiments)
+    for name, members in (("one-member", 1), ("two-members", 2)):
+        data = experiments[name]["revs"][0]["data"]
+        assert data["params"]["params.yaml"]["data"]["ensemble"]["max_members"] == members
+        ensemble = data["metrics"]["metrics/ensemble.json"]["data"]
+        assert all(sum(ensemble[task]["members"].values()) <= members for task in ("sst", "qqp", "sts"))

@@ -86,7 +86,8 @@ class PretrainParams:
     eval_examples: int = _bounded(ge=0)  # dev sentences in the held-out set; 0 = all
     bf16: bool
     seed: int = _bounded(ge=0)
-    threads: int = _bounded(ge=0)
+    threads: int = _bounded(ge=0)  # CPU threads, shared among the processes
+    nproc: int = _bounded(ge=1)  # processes on this machine; > 1 relaunches the stage through torchrun
     checkpoint_every: int = _bounded(ge=1)  # steps between resume checkpoints
 
     def __post_init__(self):
@@ -153,7 +154,8 @@ class TrainParams:
     bucket_batches: int = _bounded(ge=1)  # batches per length-sorting window; 1 turns bucketing off
     max_examples: int = _bounded(ge=0)  # per task and split, for quick runs; 0 uses all
     bf16: bool
-    threads: int = _bounded(ge=0)  # CPU threads for torch; 0 leaves torch's default
+    threads: int = _bounded(ge=0)  # CPU threads for torch (shared among the ranks); 0 leaves torch's default
+    nproc: int = _bounded(ge=1)  # processes on this machine; > 1 relaunches the stage through torchrun
     checkpoint_every: int = _bounded(ge=1)  # optimiser steps between resume checkpoints
     gradient: Literal["plain", "pcgrad"]  # pcgrad: gradient surgery across the tasks of a joint step
 
