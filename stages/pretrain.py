@@ -36,21 +36,19 @@ from stages.core.distributed import (
     average_gradients,
     average_tensor,
     broadcast,
-    device_for,
     gather,
-    init_ranks,
     relaunch_with_torchrun,
+    setup_process,
     shard,
     shutdown,
     sync_parameters,
-    threads_per_rank,
     under_torchrun,
 )
 from stages.core.masking import IGNORE_INDEX, MaskingVocab, mask_tokens
 from stages.core.optim import adamw, layer_of, no_weight_decay
 from stages.core.params import Params, PretrainParams, as_dict, load_params
 from stages.core.resume import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from stages.core.runtime import setup_logging, setup_torch
+from stages.core.runtime import open_live, setup_logging
 from stages.core.sampling import TaskStream
 from stages.core.tasks import TASKS, tokenized_path
 
@@ -132,10 +130,7 @@ class Pretrainer:
 
     def __init__(self, params: Params, paths: Paths):
         self.params, self.p, self.paths = params, params.pretrain, paths
-        self.ranks = init_ranks()
-        self.device = setup_torch(self.p.seed, threads_per_rank(self.p.threads, self.ranks))
-        if self.ranks.distributed:
-            self.device = device_for(self.ranks)
+        self.ranks, self.device = setup_process(self.p.seed, self.p.threads)
         self.tokenizer = load_tokenizer(params.model.name)
         self.vocab = MaskingVocab.from_tokenizer(self.tokenizer)
         self.model, self.head_from_checkpoint = load_masked_lm(params.model.name)
@@ -323,16 +318,7 @@ class Pretrainer:
 
     # --- outputs ----------------------------------------------------------------------------------
     def _open_live(self):
-        """A fresh DVCLive folder with the history so far replayed, so a resumed run logs each point once."""
-        from dvclive import Live
-
-        if not self.ranks.is_main:
-            return None
-        shutil.rmtree(self.paths.live_dir, ignore_errors=True)
-        live = Live(dir=str(self.paths.live_dir), resume=False, report=None, save_dvc_exp=False, dvcyaml=None)
-        for record in self.history:
-            log_record(live, record)
-        return live
+        return open_live(self.paths.live_dir, self.history, log_record) if self.ranks.is_main else None
 
     def _finish(self) -> dict:
         tokens = average_tensor(torch.tensor(float(self.running["tokens"]), device=self.device), self.ranks)

@@ -32,14 +32,12 @@ from stages.core.distributed import (
     average_gradients,
     average_tensor,
     broadcast,
-    device_for,
     gather,
-    init_ranks,
     relaunch_with_torchrun,
+    setup_process,
     shard,
     shutdown,
     sync_parameters,
-    threads_per_rank,
     under_torchrun,
 )
 from stages.core.evaluation import evaluate
@@ -49,7 +47,7 @@ from stages.core.optim import make_optimizer
 from stages.core.params import Params, as_dict, variant_params
 from stages.core.pcgrad import accumulate, flat_gradient, project_conflicts
 from stages.core.resume import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from stages.core.runtime import setup_logging, setup_torch
+from stages.core.runtime import open_live, setup_logging
 from stages.core.sampling import TaskStream, epoch_schedule
 from stages.core.tasks import TASK_NAMES, tokenized_path
 
@@ -96,10 +94,7 @@ class Trainer:
     def __init__(self, params: Params, variant: str, paths: Paths):
         self.params, self.variant, self.paths = params, variant, paths
         self.p = params.train
-        self.ranks = init_ranks()
-        self.device = setup_torch(self.p.seed, threads_per_rank(self.p.threads, self.ranks))
-        if self.ranks.distributed:
-            self.device = device_for(self.ranks)
+        self.ranks, self.device = setup_process(self.p.seed, self.p.threads)
         start = starting_point(params.model.name, paths.pretrained)
         self.tokenizer = load_tokenizer(start)
         self.model = MultitaskModel(load_encoder(start), params.heads, params.model.arch,
@@ -301,16 +296,7 @@ class Trainer:
 
     # --- outputs --------------------------------------------------------------------------------
     def _open_live(self):
-        """A fresh DVCLive folder with the history so far replayed, so a resumed run logs each epoch once."""
-        from dvclive import Live
-
-        if not self.ranks.is_main:
-            return None
-        shutil.rmtree(self.paths.live_dir, ignore_errors=True)
-        live = Live(dir=str(self.paths.live_dir), resume=False, report=None, save_dvc_exp=False, dvcyaml=None)
-        for record in self.history:
-            log_epoch(live, record)
-        return live
+        return open_live(self.paths.live_dir, self.history, log_epoch) if self.ranks.is_main else None
 
     def model_config(self) -> dict:
         config = as_dict(self.params)

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from stages.core.runtime import setup_torch
+
 log = logging.getLogger(__name__)
 
 
@@ -65,6 +67,13 @@ def init_ranks() -> Ranks:
 
 def device_for(ranks: Ranks) -> torch.device:
     return torch.device(f"cuda:{ranks.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def setup_process(seed: int, threads: int) -> tuple[Ranks, torch.device]:
+    """This process's rank (joining torchrun's group if there is one), seeded torch, and its device."""
+    ranks = init_ranks()
+    device = setup_torch(seed, threads_per_rank(threads, ranks))
+    return ranks, device_for(ranks) if ranks.distributed else device
 
 
 def threads_per_rank(threads: int, ranks: Ranks) -> int:

@@ -21,3 +21,17 @@ def setup_torch(seed: int, threads: int):
         torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def open_live(live_dir, history: list[dict], log_record) -> object:
+    """A fresh DVCLive folder with `history` replayed through `log_record`, so a resumed run logs each
+    point once (DVCLive's own resume would append to what a killed run already wrote)."""
+    import shutil
+
+    from dvclive import Live
+
+    shutil.rmtree(live_dir, ignore_errors=True)
+    live = Live(dir=str(live_dir), resume=False, report=None, save_dvc_exp=False, dvcyaml=None)
+    for record in history:
+        log_record(live, record)
+    return live
