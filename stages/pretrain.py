@@ -254,7 +254,7 @@ class Pretrainer:
                                "Lower pretrain.lr or turn off pretrain.bf16.")
         # The mean over all ranks' chosen tokens: weight this rank's mean by its share of them.
         mean_chosen = average_tensor(torch.tensor(float(chosen), device=self.device), self.ranks)
-        (loss * (chosen / mean_chosen.clamp(min=1.0)).item() if self.ranks.distributed else loss).backward()
+        (loss * (chosen / mean_chosen.clamp(min=1e-9)).item() if self.ranks.distributed else loss).backward()
         average_gradients([p for p in self.model.parameters() if p.requires_grad], self.ranks)
         if self.p.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.p.grad_clip)
