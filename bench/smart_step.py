@@ -52,6 +52,26 @@ def timed_steps(trainer: Trainer, objective: Objective, schedule: list[tuple[str
     return seconds
 
 
+def scratch_trainer(params, variant: str, tokenized_dir: Path, scratch: Path) -> Trainer:
+    """The `train` stage's Trainer for one variant, writing (if at all) only under `scratch`."""
+    paths = Paths(tokenized=tokenized_dir, model_out=scratch / "model", metrics_out=scratch / "metrics.json",
+                  live_dir=scratch / "live", checkpoints=scratch / "checkpoints")
+    return Trainer(params, variant, paths)
+
+
+def alternating_step_times(trainer: Trainer, steps: int, block: int, smart_steps: int) -> dict[str, list[float]]:
+    """Seconds per step of plain and SMART(K = smart_steps) training, alternating block by block."""
+    plain, smart = plain_objective(trainer), smart_objective(trainer, smart_steps)
+    schedule = trainer.schedule(0)[: block + steps]
+    for objective in (plain, smart):  # warm-up, untimed
+        timed_steps(trainer, objective, schedule[:block])
+    times: dict[str, list[float]] = {"plain": [], "smart": []}
+    for start in range(block, len(schedule), block):
+        for name, objective in (("plain", plain), ("smart", smart)):
+            times[name] += timed_steps(trainer, objective, schedule[start:start + block])
+    return times
+
+
 @app.command()
 def main(steps: int = typer.Option(40, help="timed steps per objective"),
          block: int = typer.Option(2, help="steps per block; the objectives alternate block by block"),
@@ -63,18 +83,9 @@ def main(steps: int = typer.Option(40, help="timed steps per objective"),
     setup_logging()
     params = variant_params(params_file, variant)
     with tempfile.TemporaryDirectory() as scratch:
-        paths = Paths(tokenized=tokenized_dir, model_out=Path(scratch), metrics_out=Path(scratch),
-                      live_dir=Path(scratch), checkpoints=Path(scratch))
-        trainer = Trainer(params, variant, paths)
+        trainer = scratch_trainer(params, variant, tokenized_dir, Path(scratch))
         trainer.model.train()
-        plain, smart = plain_objective(trainer), smart_objective(trainer, smart_steps)
-        schedule = trainer.schedule(0)[: block + steps]
-        for objective in (plain, smart):  # warm-up, untimed
-            timed_steps(trainer, objective, schedule[:block])
-        times: dict[str, list[float]] = {"plain": [], "smart": []}
-        for start in range(block, len(schedule), block):
-            for name, objective in (("plain", plain), ("smart", smart)):
-                times[name] += timed_steps(trainer, objective, schedule[start:start + block])
+        times = alternating_step_times(trainer, steps, block, smart_steps)
     report(times, smart_steps, json_out)
 
 

@@ -30,13 +30,13 @@ import numpy as np
 import torch
 import typer
 
-from bench.smart_step import plain_objective, smart_objective, timed_steps
+from bench.smart_step import alternating_step_times, scratch_trainer
 from stages.core.batches import TaskSplit, eval_batches, load_split
 from stages.core.params import variant_params
 from stages.core.runtime import setup_logging
 from stages.core.sampling import TaskStream
 from stages.core.tasks import TASK_NAMES
-from stages.train import Paths, Trainer
+from stages.train import Trainer
 
 TARGETS = {"train_speedup": 3.0, "peak_fraction": 0.40, "smart_ratio": 2.5, "tokenize_seconds": 15.0,
            "peak_rss_gib": 3.0}
@@ -175,9 +175,7 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
     figures["matmul_gflops"] = {"fp32": round(matmul_gflops(torch.float32), 1),
                                 "bf16": round(matmul_gflops(torch.bfloat16), 1)}
     with tempfile.TemporaryDirectory() as scratch:
-        paths = Paths(tokenized=tokenized_dir, model_out=Path(scratch), metrics_out=Path(scratch),
-                      live_dir=Path(scratch), checkpoints=Path(scratch))
-        trainer = Trainer(params, variant, paths)
+        trainer = scratch_trainer(params, variant, tokenized_dir, Path(scratch))
         trainer.model.train()
         print(f"training: naive / default / default+bf16, {train_steps} steps each ...", flush=True)
         configs = train_throughput(trainer, train_steps, block)
@@ -213,15 +211,8 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
 
 
 def smart_ratio(trainer: Trainer, steps: int, block: int = 2) -> float:
-    plain, smart = plain_objective(trainer), smart_objective(trainer, 1)
-    schedule = trainer.schedule(0)[: block + steps]
-    for objective in (plain, smart):
-        timed_steps(trainer, objective, schedule[:block])
-    times = {"plain": 0.0, "smart": 0.0}
-    for start in range(block, len(schedule), block):
-        for name, objective in (("plain", plain), ("smart", smart)):
-            times[name] += sum(timed_steps(trainer, objective, schedule[start:start + block]))
-    return round(times["smart"] / times["plain"], 3)
+    times = alternating_step_times(trainer, steps, block, smart_steps=1)
+    return round(sum(times["smart"]) / sum(times["plain"]), 3)
 
 
 def verdict(value: float, target: float, higher_is_better: bool) -> str:

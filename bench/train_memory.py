@@ -14,10 +14,10 @@ from pathlib import Path
 
 import typer
 
+from bench.smart_step import scratch_trainer
 from stages.core.evaluation import evaluate
 from stages.core.params import variant_params
 from stages.core.runtime import setup_logging
-from stages.train import Paths, Trainer
 
 app = typer.Typer(add_completion=False)
 
@@ -29,10 +29,7 @@ def main(steps: int = typer.Option(20), variant: str = typer.Option("base"),
     setup_logging("WARNING")
     params = variant_params(params_file, variant)
     with tempfile.TemporaryDirectory() as scratch:
-        paths = Paths(tokenized=tokenized_dir, model_out=Path(scratch) / "model",
-                      metrics_out=Path(scratch) / "m.json", live_dir=Path(scratch) / "live",
-                      checkpoints=Path(scratch) / "ck")
-        trainer = Trainer(params, variant, paths)
+        trainer = scratch_trainer(params, variant, tokenized_dir, Path(scratch))
         trainer.model.train()
         for tasks in trainer.schedule(0)[:steps]:
             trainer.forward_backward(tasks)

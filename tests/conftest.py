@@ -139,3 +139,21 @@ def tiny_tokenized(tmp_path_factory, tiny_backbone) -> Path:
                                       "--metrics-file", str(root / "data.json")])
     assert result.exit_code == 0, result.output
     return root / "tok"
+
+
+def kill_once_checkpointed(command: list[str], checkpoint: Path, timeout: float = 180) -> None:
+    """Start `command`, and SIGKILL it and every process it started once `checkpoint` appears."""
+    import signal
+    import subprocess
+    import time
+
+    # its own session, so a launcher (torchrun) and its workers die together, as under a kill of the job
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    deadline = time.time() + timeout
+    while not checkpoint.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, "the run finished before it could be killed"
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert checkpoint.exists()

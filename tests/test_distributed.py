@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +16,7 @@ from safetensors.torch import load_file
 
 from stages.core.backbone import PROVENANCE_FILE
 from stages.core.distributed import Ranks, shard
-from tests.conftest import REPO_ROOT, make_params
+from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -114,15 +111,7 @@ def test_a_killed_two_process_run_resumes_to_the_uninterrupted_result(tmp_path, 
     uninterrupted = weights(train(tmp_path / "a", dropout_free_backbone, tiny_tokenized, 2, **settings))
     command = train_command(tmp_path / "b", dropout_free_backbone, tiny_tokenized, 2, **settings)
     checkpoint = tmp_path / "b" / "out" / "ck" / "base" / "last.pt"
-    # its own session, so torchrun and both ranks die together, as under a kill of the whole job
-    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
-    deadline = time.time() + 180
-    while not checkpoint.exists() and process.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert process.poll() is None, "training finished before it could be killed"
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_once_checkpointed(command, checkpoint)
     assert not (tmp_path / "b" / "out" / "metrics" / "base.json").exists()
     subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True)
     resumed = weights(tmp_path / "b" / "out")

@@ -1,11 +1,8 @@
 """Training end to end on a 2-layer slice of the real backbone: resume after kill -9, determinism, NaN guard."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +12,7 @@ from safetensors.torch import load_file
 
 from stages.core.params import variant_params
 from stages.train import Paths, Trainer, TrainingError
-from tests.conftest import REPO_ROOT, make_params
+from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params
 
 
 def train_command(params: Path, out: Path) -> list[str]:
@@ -62,14 +59,7 @@ def test_resume_after_kill_9_equals_an_uninterrupted_run(tmp_path, training_para
     command = train_command(training_params, tmp_path)
     command[command.index("--tokenized-dir") + 1] = str(tiny_tokenized)
     checkpoint = tmp_path / "ck" / "base" / "last.pt"
-    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while not checkpoint.exists() and process.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert process.poll() is None, "training finished before it could be killed"
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    assert checkpoint.exists()
+    kill_once_checkpointed(command, checkpoint)
     assert not (tmp_path / "metrics" / "base.json").exists()
     subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True)
     assert result_of(tmp_path) == uninterrupted
