@@ -149,10 +149,11 @@ def tokenize_seconds(params_file: Path) -> float:
         return time.perf_counter() - started
 
 
-def training_peak_rss_gib(params_file: Path, variant: str, steps: int) -> float:
+def training_peak_rss_gib(params_file: Path, tokenized_dir: Path, variant: str, steps: int) -> float:
     """Peak RSS of a child that trains `steps` steps, evaluates on dev and writes a resume checkpoint."""
     child = subprocess.run([sys.executable, "-m", "bench.train_memory", "--steps", str(steps), "--variant", variant,
-                            "--params-file", str(params_file)], check=True, capture_output=True, text=True)
+                            "--params-file", str(params_file), "--tokenized-dir", str(tokenized_dir)],
+                           check=True, capture_output=True, text=True)
     return json.loads(child.stdout.strip().splitlines()[-1])["peak_rss_gib"]
 
 
@@ -203,7 +204,7 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
     print("tokenize (a fresh process) ...", flush=True)
     figures["tokenize_seconds"] = round(tokenize_seconds(params_file), 2)
     print(f"peak memory of training ({memory_steps} steps, evaluation, checkpoint) ...", flush=True)
-    figures["peak_rss_gib"] = round(training_peak_rss_gib(params_file, variant, memory_steps), 2)
+    figures["peak_rss_gib"] = round(training_peak_rss_gib(params_file, tokenized_dir, variant, memory_steps), 2)
     figures["targets"] = TARGETS
     report(figures)
     json_out.parent.mkdir(parents=True, exist_ok=True)
