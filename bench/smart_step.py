@@ -19,9 +19,9 @@ from pathlib import Path
 
 import typer
 
-from stages.core.objective import Objective
 from stages.core.params import variant_params
 from stages.core.runtime import setup_logging
+from stages.core.training.objective import Objective
 from stages.train import Paths, Trainer
 
 TARGET_RATIO = 2.5

@@ -31,11 +31,11 @@ import torch
 import typer
 
 from bench.smart_step import alternating_step_times, scratch_trainer
-from stages.core.batches import TaskSplit, eval_batches, load_split
+from stages.core.data.batches import TaskSplit, eval_batches, load_split
+from stages.core.data.sampling import TaskStream
+from stages.core.data.tasks import TASK_NAMES
 from stages.core.params import variant_params
 from stages.core.runtime import setup_logging
-from stages.core.sampling import TaskStream
-from stages.core.tasks import TASK_NAMES
 from stages.train import Trainer
 
 TARGETS = {"train_speedup": 3.0, "peak_fraction": 0.40, "smart_ratio": 2.5, "tokenize_seconds": 15.0,

@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 
 from bench.smart_step import scratch_trainer
-from stages.core.evaluation import evaluate
+from stages.core.evaluation.evaluate import evaluate
 from stages.core.params import variant_params
 from stages.core.runtime import setup_logging
 

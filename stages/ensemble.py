@@ -14,14 +14,14 @@ import numpy as np
 import typer
 
 from stages.core import io
-from stages.core.batches import load_split
-from stages.core.ensemble import average, greedy_select, honest_estimate
-from stages.core.metrics import HEADLINE, overall, task_metrics
+from stages.core.data.batches import load_split
+from stages.core.data.tasks import TASK_NAMES
+from stages.core.evaluation.ensemble import average, greedy_select, honest_estimate
+from stages.core.evaluation.metrics import HEADLINE, overall, task_metrics
+from stages.core.evaluation.plots import write_plot_tables
+from stages.core.evaluation.predictions import read_dump, rejected_ids, write_dump, write_submission
 from stages.core.params import load_params
-from stages.core.plots import write_plot_tables
-from stages.core.predictions import read_dump, rejected_ids, write_dump, write_submission
 from stages.core.runtime import setup_logging
-from stages.core.tasks import TASK_NAMES
 
 log = logging.getLogger("ensemble")
 app = typer.Typer(add_completion=False)

@@ -12,15 +12,15 @@ from pathlib import Path
 import typer
 
 from stages.core import io
-from stages.core.batches import load_split
-from stages.core.checkpoint import load_model
-from stages.core.evaluation import predict_split
-from stages.core.metrics import overall, task_metrics
+from stages.core.data.batches import load_split
+from stages.core.data.tasks import TASK_NAMES
+from stages.core.evaluation.evaluate import predict_split
+from stages.core.evaluation.metrics import overall, task_metrics
+from stages.core.evaluation.plots import write_plot_tables
+from stages.core.evaluation.predictions import rejected_ids, write_dump, write_submission
+from stages.core.model.saved import load_model
 from stages.core.params import load_params
-from stages.core.plots import write_plot_tables
-from stages.core.predictions import rejected_ids, write_dump, write_submission
 from stages.core.runtime import setup_logging, setup_torch
-from stages.core.tasks import TASK_NAMES
 
 log = logging.getLogger("predict")
 app = typer.Typer(add_completion=False)

@@ -30,9 +30,14 @@ import typer
 from tqdm.auto import tqdm
 
 from stages.core import io
-from stages.core.backbone import PROVENANCE_FILE, load_encoder, load_masked_lm, load_tokenizer
-from stages.core.batches import TokenColumn, eval_batches, load_split
-from stages.core.distributed import (
+from stages.core.data.batches import TokenColumn, eval_batches, load_split
+from stages.core.data.masking import IGNORE_INDEX, MaskingVocab, mask_tokens
+from stages.core.data.sampling import TaskStream
+from stages.core.data.tasks import TASKS, tokenized_path
+from stages.core.model.backbone import PROVENANCE_FILE, load_encoder, load_masked_lm, load_tokenizer
+from stages.core.params import Params, PretrainParams, as_dict, load_params
+from stages.core.runtime import open_live, setup_logging
+from stages.core.training.distributed import (
     average_gradients,
     average_tensor,
     broadcast,
@@ -44,13 +49,8 @@ from stages.core.distributed import (
     sync_parameters,
     under_torchrun,
 )
-from stages.core.masking import IGNORE_INDEX, MaskingVocab, mask_tokens
-from stages.core.optim import adamw, layer_of, no_weight_decay
-from stages.core.params import Params, PretrainParams, as_dict, load_params
-from stages.core.resume import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from stages.core.runtime import open_live, setup_logging
-from stages.core.sampling import TaskStream
-from stages.core.tasks import TASKS, tokenized_path
+from stages.core.training.optim import adamw, layer_of, no_weight_decay
+from stages.core.training.resume import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
 log = logging.getLogger("pretrain")
 app = typer.Typer(add_completion=False)

@@ -13,12 +13,12 @@ import pandas as pd
 import typer
 
 from stages.core import io
-from stages.core.backbone import load_tokenizer
-from stages.core.encoding import encode_rows
+from stages.core.data.rawdata import REJECT_COLUMNS, REJECT_REASONS, ParsedSplit, RawDataError, read_split
+from stages.core.data.tasks import SPLITS, TASKS, tokenized_path
+from stages.core.data.tokenization import encode_rows
+from stages.core.model.backbone import load_tokenizer
 from stages.core.params import load_params
-from stages.core.rawdata import REJECT_COLUMNS, REJECT_REASONS, ParsedSplit, RawDataError, read_split
 from stages.core.runtime import setup_logging
-from stages.core.tasks import SPLITS, TASKS, tokenized_path
 
 log = logging.getLogger("tokenize")
 app = typer.Typer(add_completion=False)

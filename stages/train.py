@@ -25,10 +25,16 @@ import typer
 from tqdm.auto import tqdm
 
 from stages.core import io
-from stages.core.backbone import load_encoder, load_tokenizer, starting_point
-from stages.core.batches import load_split
-from stages.core.checkpoint import save_model
-from stages.core.distributed import (
+from stages.core.data.batches import load_split
+from stages.core.data.sampling import TaskStream, epoch_schedule
+from stages.core.data.tasks import TASK_NAMES, tokenized_path
+from stages.core.evaluation.evaluate import evaluate
+from stages.core.model.backbone import load_encoder, load_tokenizer, starting_point
+from stages.core.model.multitask import MultitaskModel
+from stages.core.model.saved import save_model
+from stages.core.params import Params, as_dict, variant_params
+from stages.core.runtime import open_live, setup_logging
+from stages.core.training.distributed import (
     average_gradients,
     average_tensor,
     broadcast,
@@ -40,16 +46,10 @@ from stages.core.distributed import (
     sync_parameters,
     under_torchrun,
 )
-from stages.core.evaluation import evaluate
-from stages.core.model import MultitaskModel
-from stages.core.objective import BatchLoss, Objective
-from stages.core.optim import make_optimizer
-from stages.core.params import Params, as_dict, variant_params
-from stages.core.pcgrad import accumulate, flat_gradient, project_conflicts
-from stages.core.resume import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from stages.core.runtime import open_live, setup_logging
-from stages.core.sampling import TaskStream, epoch_schedule
-from stages.core.tasks import TASK_NAMES, tokenized_path
+from stages.core.training.objective import BatchLoss, Objective
+from stages.core.training.optim import make_optimizer
+from stages.core.training.pcgrad import accumulate, flat_gradient, project_conflicts
+from stages.core.training.resume import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
 log = logging.getLogger("train")
 app = typer.Typer(add_completion=False)

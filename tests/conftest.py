@@ -56,7 +56,7 @@ def raw_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from stages.core.backbone import load_tokenizer
+    from stages.core.model.backbone import load_tokenizer
 
     return load_tokenizer(DEFAULT_BACKBONE)
 
@@ -89,7 +89,7 @@ def synthetic_raw_files(rows: int) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_backbone(tmp_path_factory) -> Path:
     """A 2-layer slice of the real default backbone, saved like any local model."""
-    from stages.core.backbone import PROVENANCE_FILE, load_encoder, load_tokenizer
+    from stages.core.model.backbone import PROVENANCE_FILE, load_encoder, load_tokenizer
 
     encoder = load_encoder(DEFAULT_BACKBONE)
     encoder.encoder.layer = encoder.encoder.layer[:2]

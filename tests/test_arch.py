@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from stages.core.checkpoint import load_model, save_model
-from stages.core.encoders import ARCHS
-from stages.core.model import MultitaskModel
+from stages.core.model.architectures import ARCHS
+from stages.core.model.multitask import MultitaskModel
+from stages.core.model.saved import load_model, save_model
 from stages.core.params import load_params, variant_params
-from stages.core.pcgrad import project_conflicts
+from stages.core.training.pcgrad import project_conflicts
 from stages.train import Paths, Trainer
 from tests.conftest import REPO_ROOT, make_params
 
@@ -25,7 +25,7 @@ def params():
 
 @pytest.fixture
 def encoder(tiny_backbone):
-    from stages.core.backbone import load_encoder
+    from stages.core.model.backbone import load_encoder
 
     return load_encoder(str(tiny_backbone))
 

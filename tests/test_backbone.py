@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.core import backbone
-from stages.core.backbone import BackboneError, load_tokenizer, resolve_backbone
+from stages.core.model import backbone
+from stages.core.model.backbone import BackboneError, load_tokenizer, resolve_backbone
 from tests.conftest import DEFAULT_BACKBONE
 
 

@@ -14,8 +14,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from stages.core.backbone import PROVENANCE_FILE
-from stages.core.distributed import Ranks, shard
+from stages.core.model.backbone import PROVENANCE_FILE
+from stages.core.training.distributed import Ranks, shard
 from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params
 
 

@@ -5,9 +5,9 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from stages.core.ensemble import average, dev_halves, greedy_select, honest_estimate
-from stages.core.metrics import overall, qqp_metrics, sst_metrics, sts_metrics
-from stages.core.predictions import read_dump, submission_path, write_dump, write_submission
+from stages.core.evaluation.ensemble import average, dev_halves, greedy_select, honest_estimate
+from stages.core.evaluation.metrics import overall, qqp_metrics, sst_metrics, sts_metrics
+from stages.core.evaluation.predictions import read_dump, submission_path, write_dump, write_submission
 
 LABELS = np.array([1, 1, 0, 0, 1, 0, 1, 0], dtype=float)
 

@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from stages.core.backbone import load_encoder
-from stages.core.model import MultitaskModel, pool
-from stages.core.optim import make_optimizer
+from stages.core.model.backbone import load_encoder
+from stages.core.model.multitask import MultitaskModel, pool
 from stages.core.params import load_params
+from stages.core.training.optim import make_optimizer
 from tests.conftest import REPO_ROOT
 
 

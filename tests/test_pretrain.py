@@ -12,9 +12,9 @@ import yaml
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from stages.core.backbone import PROVENANCE_FILE, starting_point
-from stages.core.batches import TokenColumn
-from stages.core.masking import IGNORE_INDEX, MaskingVocab, mask_tokens
+from stages.core.data.batches import TokenColumn
+from stages.core.data.masking import IGNORE_INDEX, MaskingVocab, mask_tokens
+from stages.core.model.backbone import PROVENANCE_FILE, starting_point
 from stages.core.params import load_params
 from stages.pretrain import Paths, Pretrainer, app
 
@@ -183,7 +183,7 @@ def test_disabled_stage_passes_the_backbone_through_unchanged(tmp_path, tiny_bac
 
 
 def test_train_refuses_a_pretrained_folder_from_another_backbone(tmp_path, tiny_backbone):
-    from stages.core.backbone import BackboneError
+    from stages.core.model.backbone import BackboneError
 
     folder = tmp_path / "pretrained"
     folder.mkdir()

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.core.rawdata import RawDataError, read_split
-from stages.core.tasks import TASKS
+from stages.core.data.rawdata import RawDataError, read_split
+from stages.core.data.tasks import TASKS
 
 
 def write(path: Path, text: str | bytes) -> Path:

@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from stages.core.model import MultitaskModel
-from stages.core.objective import Objective
+from stages.core.model.multitask import MultitaskModel
 from stages.core.params import load_params, parse_section
-from stages.core.resume import load_checkpoint, save_checkpoint
-from stages.core.smart import (
+from stages.core.training.objective import Objective
+from stages.core.training.resume import load_checkpoint, save_checkpoint
+from stages.core.training.smart import (
     EmaTeacher,
     RngReplay,
     Smart,
@@ -38,7 +38,7 @@ def smart_params(params, **changes):
 
 @pytest.fixture
 def model(params, tiny_backbone):
-    from stages.core.backbone import load_encoder
+    from stages.core.model.backbone import load_encoder
 
     torch.manual_seed(0)
     return MultitaskModel(load_encoder(str(tiny_backbone)), params.heads).train()

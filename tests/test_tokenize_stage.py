@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import yaml
 from typer.testing import CliRunner
 
-from stages.core.rawdata import RawDataError
+from stages.core.data.rawdata import RawDataError
 from stages.tokenize import app
 from tests.conftest import REPO_ROOT, write_raw_files
 

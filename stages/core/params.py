@@ -59,7 +59,7 @@ Arch = Literal["shared", "cerbertus", "independent", "shared+independent", "stat
 @dataclasses.dataclass(frozen=True)
 class ModelParams:
     name: str
-    arch: Arch  # which encoders each task's head reads: see stages/core/encoders.py
+    arch: Arch  # which encoders each task's head reads: see stages/core/model/architectures.py
     task_layers: int = _bounded(ge=0)  # cerbertus: top encoder layers each task has its own copy of
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from torch import nn
 
-from stages.core.tasks import TASK_NAMES
+from stages.core.data.tasks import TASK_NAMES
 
 ARCHS = ("shared", "cerbertus", "independent", "shared+independent", "static")
 SHARED_DIR = "encoder"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from stages.core.batches import TaskSplit, eval_batches
-from stages.core.metrics import overall, task_metrics
-from stages.core.model import MultitaskModel
+from stages.core.data.batches import TaskSplit, eval_batches
+from stages.core.evaluation.metrics import overall, task_metrics
+from stages.core.model.multitask import MultitaskModel
 
 
 def predict_split(model: MultitaskModel, split: TaskSplit, batch_size: int, device: torch.device,

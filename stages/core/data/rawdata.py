@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from stages.core.tasks import Task
+from stages.core.data.tasks import Task
 
 # Checked in this order; a row is rejected for the first reason that applies.
 REJECT_REASONS = ("missing_id", "duplicate_id", "empty_text", "missing_label", "label_not_a_number",

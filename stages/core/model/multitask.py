@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stages.core.encoders import TaskEncoders
+from stages.core.data.tasks import TASKS
+from stages.core.model.architectures import TaskEncoders
 from stages.core.params import HeadParams, HeadsParams, PairHeadParams
-from stages.core.tasks import TASKS
 
 
 def pool(kind: str, hidden: torch.Tensor, mask: torch.Tensor, pooler_output: torch.Tensor | None) -> torch.Tensor:
@@ -66,7 +66,7 @@ class MultitaskModel(nn.Module):
     """Outputs in loss space: SST logits (B, 5), QQP logit (B,), STS score (B,) on the target scale.
 
     `arch` and `task_layers` (model.arch, model.task_layers) decide which encoders each head reads; see
-    stages/core/encoders.py.
+    stages/core/model/architectures.py.
     """
 
     def __init__(self, encoder: nn.Module, heads: HeadsParams, arch: str = "shared", task_layers: int = 0):

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from stages.core.tasks import TASKS, Task, tokenized_path
+from stages.core.data.tasks import TASKS, Task, tokenized_path
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 from tqdm.auto import tqdm
 
-from stages.core.tasks import Task
+from stages.core.data.tasks import Task
 
 TOKEN_LIST = pa.list_(pa.int32())
 SINGLE_IDS_COLUMNS = ("input_ids_1", "input_ids_2")  # each sentence of a pair alone

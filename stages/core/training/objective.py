@@ -11,10 +11,10 @@ import dataclasses
 
 import torch
 
-from stages.core.model import MultitaskModel
+from stages.core.data.tasks import TASK_NAMES
+from stages.core.model.multitask import MultitaskModel
 from stages.core.params import SmartParams
-from stages.core.smart import EmaTeacher, RngReplay, Smart, dropout_off
-from stages.core.tasks import TASK_NAMES
+from stages.core.training.smart import EmaTeacher, RngReplay, Smart, dropout_off
 
 
 @dataclasses.dataclass

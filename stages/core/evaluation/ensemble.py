@@ -12,7 +12,7 @@ import hashlib
 
 import numpy as np
 
-from stages.core.metrics import HEADLINE, task_metrics
+from stages.core.evaluation.metrics import HEADLINE, task_metrics
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""Saving trained models in reloadable formats (resume checkpoints are in stages/core/resume.py).
+"""Saving trained models in reloadable formats (resume checkpoints are in stages/core/training/resume.py).
 
 A finished model is a folder: `encoder/` (save_pretrained, with its tokenizer), one more save_pretrained
 folder per other encoder of its arch (`encoder-<task>/`, `encoder-static/`), `heads.safetensors` and
@@ -13,8 +13,8 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from stages.core import io
-from stages.core.encoders import SHARED_DIR
-from stages.core.model import MultitaskModel
+from stages.core.model.architectures import SHARED_DIR
+from stages.core.model.multitask import MultitaskModel
 
 CONFIG_FILE = "mtbert.json"
 HEADS_FILE = "heads.safetensors"

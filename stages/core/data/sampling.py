@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from stages.core.batches import bucketed_batches
+from stages.core.data.batches import bucketed_batches
 
 
 class TaskStream:

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from stages.core import io
-from stages.core.predictions import predicted_labels
+from stages.core.evaluation.predictions import predicted_labels
 
 PLOT_FILES = {"sst": "sst_confusion.csv", "qqp": "qqp_confusion.csv", "sts": "sts_scatter.csv"}
 

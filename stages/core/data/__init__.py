@@ -1,0 +1,1 @@
+"""Task declarations, raw-file parsing, tokenisation, tokenised batches, task sampling and masking."""

@@ -1,0 +1,1 @@
+"""Metrics, predictions over a split, prediction dumps, plots and the ensemble."""
