@@ -21,8 +21,9 @@ import typer
 
 from stages.core.params import variant_params
 from stages.core.runtime import setup_logging
+from stages.core.training.finetune import Trainer
 from stages.core.training.objective import Objective
-from stages.train import Paths, Trainer
+from stages.core.training.run import Paths
 
 TARGET_RATIO = 2.5
 app = typer.Typer(add_completion=False)
@@ -31,7 +32,7 @@ app = typer.Typer(add_completion=False)
 def smart_objective(trainer: Trainer, steps: int) -> Objective:
     """SMART on every task (lambda 1, K = steps), no teacher; the rest of smart.* as in params.yaml."""
     params = trainer.params.smart
-    every_task = dataclasses.replace(params.task_lambda, sst=None, qqp=None, sts=None)
+    every_task = {task: None for task in params.task_lambda}  # every task inherits lambda
     smart = dataclasses.replace(params, lambda_=1.0, task_lambda=every_task, steps=steps, mu=0.0)
     return Objective(trainer.model, smart, trainer.device, trainer.p.bf16, trainer.p.seed)
 

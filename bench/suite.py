@@ -33,10 +33,9 @@ import typer
 from bench.smart_step import alternating_step_times, scratch_trainer
 from stages.core.data.batches import TaskSplit, eval_batches, load_split
 from stages.core.data.sampling import TaskStream
-from stages.core.data.tasks import TASK_NAMES
 from stages.core.params import variant_params
 from stages.core.runtime import setup_logging
-from stages.train import Trainer
+from stages.core.training.finetune import Trainer
 
 TARGETS = {"train_speedup": 3.0, "peak_fraction": 0.40, "smart_ratio": 2.5, "tokenize_seconds": 15.0,
            "peak_rss_gib": 3.0}
@@ -69,7 +68,7 @@ class TrainConfig:
 
     def __init__(self, name: str, trainer: Trainer, *, bucket_batches: int, pad_length: int | None, bf16: bool):
         self.name, self.trainer, self.pad_length, self.bf16 = name, trainer, pad_length, bf16
-        self.streams = {t: TaskStream(split.lengths(trainer.model.encoding(t)), getattr(trainer.p.batch_size, t),
+        self.streams = {t: TaskStream(split.lengths(trainer.model.encoding(t)), trainer.p.batch_size[t],
                                       bucket_batches, trainer.p.seed, i)
                         for i, (t, split) in enumerate(trainer.train_data.items())}
         self.seconds, self.examples, self.tokens = 0.0, 0, 0
@@ -170,7 +169,7 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
          json_out: Path = typer.Option(Path("metrics/bench.json"))) -> None:
     setup_logging()
     params = variant_params(params_file, variant)
-    torch.set_num_threads(params.train.threads or torch.get_num_threads())
+    torch.set_num_threads(params.runtime.threads or torch.get_num_threads())
     figures: dict = {"threads": torch.get_num_threads()}
     print(f"matmul peak ({figures['threads']} threads) ...", flush=True)
     figures["matmul_gflops"] = {"fp32": round(matmul_gflops(torch.float32), 1),
@@ -192,7 +191,7 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
         print(f"SMART(K=1) vs plain, {smart_steps} steps each ...", flush=True)
         figures["smart_ratio"] = smart_ratio(trainer, smart_steps)
         print("prediction: length-sorted vs padded to max_length ...", flush=True)
-        dev = {t: load_split(tokenized_dir, t, "dev", predict_examples) for t in TASK_NAMES}
+        dev = {name: load_split(tokenized_dir, task, "dev", predict_examples) for name, task in trainer.tasks.items()}
         sentences = sum(len(s) for s in dev.values())
         batch_size = params.predict.batch_size
         naive_s = predict_seconds(trainer, dev, batch_size, params.tokenize.max_length)

@@ -14,11 +14,11 @@ import typer
 
 from stages.core import io
 from stages.core.data.rawdata import REJECT_COLUMNS, REJECT_REASONS, ParsedSplit, RawDataError, read_split
-from stages.core.data.tasks import SPLITS, TASKS, tokenized_path
+from stages.core.data.tasks import SPLITS, tasks_from_params, tokenized_path
 from stages.core.data.tokenization import encode_rows
 from stages.core.model.backbone import load_tokenizer
 from stages.core.params import load_params
-from stages.core.runtime import setup_logging
+from stages.core.runtime import run_app, setup_logging
 
 log = logging.getLogger("tokenize")
 app = typer.Typer(add_completion=False)
@@ -31,10 +31,11 @@ def main(params_file: Path = typer.Option(Path("params.yaml"), help="params file
          metrics_file: Path = typer.Option(Path("metrics/data.json"), help="data statistics")) -> None:
     setup_logging()
     params = load_params(params_file)
+    tasks = tasks_from_params(params.tasks)
     tokenizer = load_tokenizer(params.model.name)
     report: dict = {"tokenizer": params.model.name, "max_length": params.tokenize.max_length}
     all_rejects = []
-    for task in TASKS.values():
+    for task in tasks.values():
         report[task.name] = {}
         for split in SPLITS:
             parsed = read_split(task.raw_path(params.data.raw_dir, split), task, split,
@@ -51,7 +52,7 @@ def main(params_file: Path = typer.Option(Path("params.yaml"), help="params file
     rejects = pd.concat(all_rejects, ignore_index=True)[REJECT_COLUMNS]
     io.write_text(rejects_file, rejects.to_csv(sep="\t", index=False))
     io.write_json(metrics_file, report)
-    check_reject_fractions(report, params.data.max_reject_fraction, rejects_file)
+    check_reject_fractions(report, list(tasks), params.data.max_reject_fraction, rejects_file)
 
 
 def split_report(parsed: ParsedSplit, stats) -> dict:
@@ -65,22 +66,12 @@ def split_report(parsed: ParsedSplit, stats) -> dict:
     if parsed.task.is_pair:
         report["truncated_sentences"] = stats.truncated_sentences
     if "label" in parsed.kept:
-        report["labels"] = label_distribution(parsed.kept["label"], parsed.task.label_kind)
+        report["labels"] = parsed.task.kind.label_distribution(parsed.kept["label"])
     return report
 
 
-def label_distribution(labels: pd.Series, kind: str) -> dict:
-    if kind != "score":
-        return {str(label): int(count) for label, count in labels.value_counts().sort_index().items()}
-    # STS scores 0-5 in unit bins, the last one closed: [0,1) [1,2) [2,3) [3,4) [4,5].
-    bins = pd.cut(labels, bins=[0, 1, 2, 3, 4, 5.0001], right=False, labels=["0-1", "1-2", "2-3", "3-4", "4-5"])
-    histogram = {str(name): int(count) for name, count in bins.value_counts(sort=False).items()}
-    return {"mean": round(float(labels.mean()), 4), "std": round(float(labels.std()), 4),
-            "histogram": histogram}
-
-
-def check_reject_fractions(report: dict, max_fraction: float, rejects_file: Path) -> None:
-    for task in TASKS:
+def check_reject_fractions(report: dict, task_names: list[str], max_fraction: float, rejects_file: Path) -> None:
+    for task in task_names:
         for split in SPLITS:
             entry = report[task][split]
             rejected = entry["rows_read"] - entry["rows_kept"]
@@ -91,4 +82,4 @@ def check_reject_fractions(report: dict, max_fraction: float, rejects_file: Path
 
 
 if __name__ == "__main__":
-    app()
+    run_app(app)

@@ -49,6 +49,17 @@ def write_raw_files(directory: Path, overrides: dict[str, str | bytes] | None = 
     return directory
 
 
+def default_tasks() -> dict:
+    """The repository's task declarations (SST, QQP, STS) as Task objects, by name."""
+    from stages.core.data.tasks import tasks_from_params
+    from stages.core.params import load_params
+
+    return tasks_from_params(load_params(REPO_ROOT / "params.yaml").tasks)
+
+
+TASKS = default_tasks()
+
+
 @pytest.fixture
 def raw_dir(tmp_path: Path) -> Path:
     return write_raw_files(tmp_path / "raw")
@@ -103,7 +114,7 @@ def tiny_backbone(tmp_path_factory) -> Path:
 
 
 def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, model=None, train=None, heads=None, smart=None,
-                models=None) -> Path:
+                models=None, runtime=None, extra=None) -> Path:
     """A params.yaml for tests: the repository's, pointed at the test data and the small backbone."""
     import yaml
 
@@ -119,14 +130,16 @@ def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, model=None, tr
         head["pooling"] = "cls"
     params["model"].update(model or {}, name=str(backbone))
     params["tokenize"]["max_length"] = 32
-    params["train"].update(epochs=2, batch_size={"sst": 4, "qqp": 4, "sts": 4}, eval_batch_size=8,
-                           checkpoint_every=3, threads=1, bucket_batches=2)
+    params["train"].update(epochs=2, batch_size={"sst": 4, "qqp": 4, "sts": 4}, eval_batch_size=8, bucket_batches=2)
+    params["runtime"] = deep_merge(params["runtime"], {"threads": 1, "checkpoint_every": {"train": 3}})
+    params["runtime"] = deep_merge(params["runtime"], runtime or {})
     params["train"] = deep_merge(params["train"], train or {})
     params["heads"] = deep_merge(params["heads"], heads or {})
     params["smart"] = deep_merge(params["smart"], smart or {})
     params["models"] = models or {"base": {}}
+    params = deep_merge(params, extra or {})  # e.g. a task declared in the test alone
     path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
+    path.write_text(yaml.safe_dump(params, sort_keys=False))  # keep the tasks in their declared order
     return path
 
 

@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from stages.core.model.architectures import ARCHS
+from stages.core.model.architectures import ARCHS, TaskEncoders
 from stages.core.model.multitask import MultitaskModel
-from stages.core.model.saved import load_model, save_model
+from stages.core.model.saved import ModelFolderError, load_model, save_model
 from stages.core.params import load_params, variant_params
 from stages.core.training.pcgrad import project_conflicts
-from stages.train import Paths, Trainer
-from tests.conftest import REPO_ROOT, make_params
+from tests.conftest import REPO_ROOT, TASKS, make_params
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +50,8 @@ def encoder_parameters(model) -> int:
 
 def test_cerbertus_with_no_task_layers_is_the_shared_model(params, encoder, batches):
     torch.manual_seed(0)
-    shared = MultitaskModel(copy.deepcopy(encoder), params.heads, "shared")
-    cerbertus = MultitaskModel(copy.deepcopy(encoder), params.heads, "cerbertus", 0)
+    shared = MultitaskModel(copy.deepcopy(encoder), TASKS, params.heads, "shared")
+    cerbertus = MultitaskModel(copy.deepcopy(encoder), TASKS, params.heads, "cerbertus", 0)
     cerbertus.heads.load_state_dict(shared.heads.state_dict())
     expected, got = outputs(shared, batches), outputs(cerbertus, batches)
     assert all(torch.equal(expected[task], got[task]) for task in batches)
@@ -60,7 +59,7 @@ def test_cerbertus_with_no_task_layers_is_the_shared_model(params, encoder, batc
 
 
 def test_cerbertus_task_layers_start_identical_and_diverge_after_one_task_steps(params, encoder, batches):
-    model = MultitaskModel(encoder, params.heads, "cerbertus", 1).train()
+    model = MultitaskModel(encoder, TASKS, params.heads, "cerbertus", 1).train()
     towers = model.encoders.towers
     top = {task: towers[task].encoder.layer[1] for task in towers}
     assert top["sst"] is not top["qqp"] and towers["sst"].encoder.layer[0] is towers["qqp"].encoder.layer[0]
@@ -86,36 +85,59 @@ def test_parameter_counts_follow_the_formula(params, encoder, task_layers):
     layer = sum(p.numel() for p in encoder.encoder.layer[0].parameters())
     pooler = sum(p.numel() for p in encoder.pooler.parameters())
     embeddings = sum(p.numel() for p in encoder.embeddings.parameters())
-    tasks = 3
-    cerbertus = MultitaskModel(copy.deepcopy(encoder), params.heads, "cerbertus", task_layers)
+    tasks = len(TASKS)
+    assert tasks == 3
+    cerbertus = MultitaskModel(copy.deepcopy(encoder), TASKS, params.heads, "cerbertus", task_layers)
     own = task_layers * layer + pooler + (embeddings if task_layers == 2 else 0)  # k = L: nothing shared
     assert encoder_parameters(cerbertus) == whole + (tasks - 1) * own
-    assert encoder_parameters(MultitaskModel(copy.deepcopy(encoder), params.heads, "independent")) == tasks * whole
-    both = MultitaskModel(copy.deepcopy(encoder), params.heads, "shared+independent")
+    independent = MultitaskModel(copy.deepcopy(encoder), TASKS, params.heads, "independent")
+    assert encoder_parameters(independent) == tasks * whole
+    both = MultitaskModel(copy.deepcopy(encoder), TASKS, params.heads, "shared+independent")
     assert encoder_parameters(both) == (tasks + 1) * whole
-    static = MultitaskModel(copy.deepcopy(encoder), params.heads, "static")
+    static = MultitaskModel(copy.deepcopy(encoder), TASKS, params.heads, "static")
     assert encoder_parameters(static) == 2 * whole
     assert sum(p.numel() for p in static.encoders.parameters() if p.requires_grad) == whole
 
 
 def test_task_layers_beyond_the_encoder_are_refused(params, encoder):
     with pytest.raises(ValueError, match="model.task_layers: expected 0 to 2"):
-        MultitaskModel(encoder, params.heads, "cerbertus", 3)
+        MultitaskModel(encoder, TASKS, params.heads, "cerbertus", 3)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_arch_round_trips_through_save_and_load(params, encoder, tokenizer, batches, arch, tmp_path):
     torch.manual_seed(0)
-    model = MultitaskModel(encoder, params.heads, arch, 1)
+    model = MultitaskModel(encoder, TASKS, params.heads, arch, 1)
     with torch.no_grad():  # make every copy distinct, as after training
         for i, parameter in enumerate(model.parameters()):
             parameter.add_(0.01 * torch.randn_like(parameter) * (i % 3))
-    config = {"variant": "x", "params": {"heads": _as_dict(params.heads),
+    config = {"variant": "x", "params": {"tasks": _as_dict(params.tasks), "heads": _as_dict(params.heads),
                                          "model": {"name": "unused", "arch": arch, "task_layers": 1}}}
     save_model(model, tokenizer, tmp_path / "model", config)
     loaded, _ = load_model(tmp_path / "model")
+    assert list(loaded.tasks) == list(TASKS) and loaded.tasks["sts"].kind.label_domain() == (0.0, 5.0, False)
     expected, got = outputs(model, batches), outputs(loaded, batches)
     assert all(torch.equal(expected[task], got[task]) for task in batches)
+
+
+def test_a_saved_model_without_its_tasks_is_refused_naming_the_file(params, encoder, tokenizer, tmp_path):
+    model = MultitaskModel(encoder, TASKS, params.heads, "shared")
+    config = {"variant": "x", "params": {"heads": _as_dict(params.heads), "model": {"arch": "shared"}}}
+    save_model(model, tokenizer, tmp_path / "model", config)
+    with pytest.raises(ModelFolderError, match=r"model/mtbert.json: declares no tasks .*retrain it\)$"):
+        load_model(tmp_path / "model")
+    with pytest.raises(ModelFolderError, match=r"nothing/mtbert.json is missing"):
+        load_model(tmp_path / "nothing")
+
+
+def test_towers_follow_the_declared_tasks(encoder):
+    names = ["first", "second"]
+    towers = TaskEncoders(copy.deepcopy(encoder), names, "independent", 0)
+    assert list(towers.towers) == names
+    assert towers.for_task("first") == [towers.shared] and towers.for_task("second")[0] is not towers.shared
+    assert list(towers.extra_encoders()) == ["encoder-second"]
+    both = TaskEncoders(copy.deepcopy(encoder), names, "shared+independent", 0)
+    assert both.width == 2 and list(both.extra_encoders()) == ["encoder-first", "encoder-second"]
 
 
 def _as_dict(section):
@@ -125,7 +147,7 @@ def _as_dict(section):
 
 
 def test_static_copy_stays_frozen_and_without_dropout(params, encoder):
-    model = MultitaskModel(encoder, params.heads, "static").train()
+    model = MultitaskModel(encoder, TASKS, params.heads, "static").train()
     assert not model.encoders.static.training and model.encoders.shared.training
 
 
@@ -145,7 +167,10 @@ def test_pcgrad_leaves_non_conflicting_gradients_unchanged():
 
 
 # --- training with every arch ---------------------------------------------------------------------
-def trainer(tmp_path: Path, backbone: Path, tokenized: Path, **overrides) -> Trainer:
+def trainer(tmp_path: Path, backbone: Path, tokenized: Path, **overrides):
+    from stages.core.training.finetune import Trainer
+    from stages.core.training.run import Paths
+
     tmp_path.mkdir(parents=True, exist_ok=True)
     params_file = make_params(tmp_path, backbone, Path("unused"), **overrides)
     params = variant_params(params_file, "base")

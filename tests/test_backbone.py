@@ -5,6 +5,7 @@ import pytest
 
 from stages.core.model import backbone
 from stages.core.model.backbone import BackboneError, load_tokenizer, resolve_backbone
+from stages.core.runtime import UserError
 from tests.conftest import DEFAULT_BACKBONE
 
 
@@ -19,6 +20,11 @@ def test_packaged_copy_with_wrong_sha256_is_refused(monkeypatch):
     monkeypatch.setitem(backbone.PACKAGED_MODELS, DEFAULT_BACKBONE, dataclasses.replace(real, sha256="0" * 64))
     with pytest.raises(BackboneError, match=r"has sha256 53aa5117.*expected 0{64}.*--force-reinstall"):
         resolve_backbone(DEFAULT_BACKBONE)
+
+
+def test_backbone_errors_are_user_errors():
+    """A stage prints them as one line (stages.core.runtime.run_app), not as a traceback."""
+    assert issubclass(BackboneError, UserError)
 
 
 def test_local_directory_is_used_as_is(tmp_path):

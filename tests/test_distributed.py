@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from stages.core.model.backbone import PROVENANCE_FILE
 from stages.core.training.distributed import Ranks, shard
-from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params
+from tests.conftest import REPO_ROOT, TASKS, kill_once_checkpointed, make_params
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -41,11 +41,13 @@ def dropout_free_backbone(tmp_path_factory, tiny_backbone) -> Path:
     return path
 
 
-def train_command(tmp_path: Path, backbone: Path, tokenized: Path, nproc: int, **train) -> list[str]:
+def train_command(tmp_path: Path, backbone: Path, tokenized: Path, nproc: int, checkpoint_every: int = 3,
+                  **train) -> list[str]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    no_dropout = {task: {"dropout": 0.0} for task in ("sst", "qqp", "sts")}
+    no_dropout = {task: {"dropout": 0.0} for task in TASKS}
     params = make_params(tmp_path, backbone, Path("unused"), heads=no_dropout,
-                         train={"nproc": nproc, "threads": nproc, "epochs": 1, **train})
+                         train={"nproc": nproc, "epochs": 1, **train},
+                         runtime={"threads": nproc, "checkpoint_every": {"train": checkpoint_every}})
     out = tmp_path / "out"
     # nproc > 1: the stage relaunches itself through torchrun, as under `dvc repro`
     return [sys.executable, "-m", "stages.train", "--variant", "base", "--params-file", str(params),
@@ -122,9 +124,10 @@ def pretrain(tmp_path: Path, backbone: Path, tokenized: Path, nproc: int) -> dic
     tmp_path.mkdir(parents=True, exist_ok=True)
     params_file = make_params(tmp_path, backbone, Path("unused"))
     params = yaml.safe_load(params_file.read_text())
-    params["pretrain"].update(enabled=True, steps=6, batch_size=8, lr=1e-3, eval_every=3, checkpoint_every=3,
-                              eval_examples=0, bucket_batches=2, nproc=nproc, threads=nproc)
-    params_file.write_text(yaml.safe_dump(params))
+    params["pretrain"].update(enabled=True, steps=6, batch_size=8, lr=1e-3, eval_every=3,
+                              eval_examples=0, bucket_batches=2, nproc=nproc)
+    params["runtime"] = {"threads": nproc, "checkpoint_every": {"train": 3, "pretrain": 3}}
+    params_file.write_text(yaml.safe_dump(params, sort_keys=False))
     subprocess.run([sys.executable, "-m", "stages.pretrain", "--params-file", str(params_file),
                     "--tokenized-dir", str(tokenized), "--out-dir", str(tmp_path / "pretrained"),
                     "--metrics-file", str(tmp_path / "pretrain.json"), "--live-dir", str(tmp_path / "live"),

@@ -3,8 +3,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages.core import io
-from stages.core.data.tasks import TASKS
 from stages.core.data.tokenization import encode_rows
+from tests.conftest import TASKS
 
 LONG = " ".join(["word"] * 40)
 

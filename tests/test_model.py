@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from stages.core.model.backbone import load_encoder
-from stages.core.model.multitask import MultitaskModel, pool
+from stages.core.model.multitask import MultitaskModel
+from stages.core.model.pooling import pool
 from stages.core.params import load_params
 from stages.core.training.optim import make_optimizer
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, TASKS
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +55,11 @@ def batch_for(encoding: str, labels):
 @pytest.mark.parametrize("pooling", ["cls", "mean", "max", "attention"])
 @pytest.mark.parametrize(("encoding", "combine"), [("cross", "features"), ("bi", "features"), ("bi", "cosine")])
 def test_every_pair_encoding_and_pooling_gives_the_right_shapes(params, encoder, pooling, encoding, combine):
-    heads = dataclasses.replace(
-        params.heads,
-        sst=dataclasses.replace(params.heads.sst, pooling=pooling),
-        qqp=dataclasses.replace(params.heads.qqp, pooling=pooling, encoding=encoding, combine=combine),
-        sts=dataclasses.replace(params.heads.sts, pooling=pooling, encoding=encoding, combine=combine))
-    model = MultitaskModel(encoder, heads).eval()
+    heads = {
+        "sst": dataclasses.replace(params.heads["sst"], pooling=pooling),
+        "qqp": dataclasses.replace(params.heads["qqp"], pooling=pooling, encoding=encoding, combine=combine),
+        "sts": dataclasses.replace(params.heads["sts"], pooling=pooling, encoding=encoding, combine=combine)}
+    model = MultitaskModel(encoder, TASKS, heads).eval()
     sst = model("sst", batch_for("cross", [1, 4]))
     qqp = model("qqp", batch_for(encoding, [0.0, 1.0]))
     sts = model("sts", batch_for(encoding, [2.5, 4.0]))
@@ -69,8 +69,8 @@ def test_every_pair_encoding_and_pooling_gives_the_right_shapes(params, encoder,
 
 
 def test_bi_encoder_cosine_sts_is_five_times_the_cosine(params, encoder):
-    sts = dataclasses.replace(params.heads.sts, encoding="bi", combine="cosine", pooling="mean", target="raw")
-    model = MultitaskModel(encoder, dataclasses.replace(params.heads, sts=sts)).eval()
+    sts = dataclasses.replace(params.heads["sts"], encoding="bi", combine="cosine", pooling="mean", target="raw")
+    model = MultitaskModel(encoder, TASKS, {**params.heads, "sts": sts}).eval()
     batch = batch_for("bi", [0.0, 0.0])
     batch["input_ids_2"], batch["attention_mask_2"] = batch["input_ids_1"], batch["attention_mask_1"]
     with torch.no_grad():
@@ -78,8 +78,8 @@ def test_bi_encoder_cosine_sts_is_five_times_the_cosine(params, encoder):
 
 
 def test_sts_unit_target_predicts_on_0_to_5(params, encoder):
-    model = MultitaskModel(encoder, dataclasses.replace(params.heads, sts=dataclasses.replace(
-        params.heads.sts, target="unit"))).eval()
+    model = MultitaskModel(encoder, TASKS, {**params.heads, "sts": dataclasses.replace(
+        params.heads["sts"], target="unit")}).eval()
     with torch.no_grad():
         out = model("sts", batch_for("cross", [0.0, 5.0]))
     assert ((out > 0) & (out < 1)).all()
@@ -88,7 +88,7 @@ def test_sts_unit_target_predicts_on_0_to_5(params, encoder):
 
 def test_layerwise_lr_decay_gives_the_expected_rates(params, encoder):
     train = dataclasses.replace(params.train, lr=1e-3, layer_decay=0.5, head_lr_mult=2.0, embedding_lr_factor=0.1)
-    model = MultitaskModel(encoder, params.heads)
+    model = MultitaskModel(encoder, TASKS, params.heads)
     optimizer, _ = make_optimizer(model, 2, train, total_steps=10)
     lr_of = {}
     for group in optimizer.param_groups:
@@ -110,7 +110,7 @@ def test_layerwise_lr_decay_gives_the_expected_rates(params, encoder):
 
 
 def test_embedding_lr_factor_zero_freezes_the_embeddings(params, tiny_backbone):
-    model = MultitaskModel(load_encoder(str(tiny_backbone)), params.heads)
+    model = MultitaskModel(load_encoder(str(tiny_backbone)), TASKS, params.heads)
     make_optimizer(model, 2, dataclasses.replace(params.train, embedding_lr_factor=0.0), total_steps=10)
     assert not model.encoder.embeddings.word_embeddings.weight.requires_grad
     assert model.encoder.encoder.layer[0].attention.self.query.weight.requires_grad

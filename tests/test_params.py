@@ -16,6 +16,25 @@ def test_repository_params_file_is_valid():
     params = load_params(REPO_ROOT / "params.yaml")
     assert params.tokenize.max_length == 128
     assert params.model.name == "sentence-transformers/all-MiniLM-L6-v2"
+    names = ["sst", "qqp", "sts"]
+    assert list(params.tasks) == list(params.heads) == names
+    assert list(params.train.batch_size) == list(params.smart.task_lambda) == names
+    assert params.heads["sts"].target == "raw" and params.heads["sst"].encoding is None
+    assert params.runtime.threads == 2
+    assert (params.runtime.checkpoint_every.train, params.runtime.checkpoint_every.pretrain) == (200, 250)
+
+
+@pytest.mark.parametrize(("section", "key", "accepts"), [
+    ("train", "threads", "train accepts: seed"),
+    ("train", "checkpoint_every", "train accepts: seed"),
+    ("pretrain", "threads", "pretrain accepts: enabled"),
+    ("pretrain", "checkpoint_every", "pretrain accepts: enabled"),
+    ("predict", "threads", "predict accepts: batch_size, bf16"),
+])
+def test_runtime_keys_of_the_old_sections_are_unknown_there(raw_params, section, key, accepts):
+    raw_params[section][key] = 2
+    with pytest.raises(ParamsError, match=f"unknown key '{section}.{key}'; {accepts}"):
+        parse_params(raw_params)
 
 
 def with_value(raw: dict, dotted_key: str, value) -> dict:
@@ -34,11 +53,16 @@ def with_value(raw: dict, dotted_key: str, value) -> dict:
     ("tokenize.batch_size", True, "tokenize.batch_size: expected an integer, got True"),
     ("data.max_reject_fraction", 1.5, "data.max_reject_fraction: expected a value <= 1.0, got 1.5"),
     ("data.max_reject_fraction", float("nan"), "data.max_reject_fraction: expected a finite number"),
-    ("data.unescape_ptb", ["sst", "mnli"], "data.unescape_ptb[1]: expected one of 'sst', 'qqp', 'sts'"),
+    ("data.unescape_ptb", ["sst", "mnli"], "data.unescape_ptb: unknown task 'mnli'; tasks declares sst, qqp, sts"),
     ("data.unescape_ptb", "sst", "data.unescape_ptb: expected a list"),
     ("model.name", "", "model.name: expected a non-empty string"),
     ("smart.lambda", -1, "smart.lambda: expected a value >= 0.0, got -1"),
     ("smart.task_lambda.sst", "high", "smart.task_lambda.sst: expected a finite number, got 'high'"),
+    ("smart.task_lambda.qqp", -1, "smart.task_lambda.qqp: expected a value >= 0.0, got -1"),
+    ("train.batch_size.sts", 0, "train.batch_size.sts: expected a value >= 1, got 0"),
+    ("train.batch_size.sst", 3.5, "train.batch_size.sst: expected an integer, got 3.5"),
+    ("runtime.threads", -1, "runtime.threads: expected a value >= 0, got -1"),
+    ("runtime.checkpoint_every.train", 0, "runtime.checkpoint_every.train: expected a value >= 1, got 0"),
     ("smart.norm", "l1", "smart.norm: expected one of 'inf', 'l2', got 'l1'"),
     ("smart.beta", 1.0, "smart.beta: expected a value < 1.0, got 1.0"),
     ("model", "bert", "model: expected a mapping"),
@@ -74,9 +98,10 @@ def test_variant_overrides_deep_merge_over_the_shared_sections(raw_params):
 
     raw_params["models"] = {"base": {}, "mean": {"heads": {"sst": {"pooling": "mean"}}, "train": {"seed": 7}}}
     base, mean = variant_params(raw_params, "base"), variant_params(raw_params, "mean")
-    assert mean.heads.sst.pooling == "mean" and mean.train.seed == 7
-    assert mean.heads.sst.dropout == base.heads.sst.dropout  # siblings of an override are kept
-    assert mean.heads.qqp == base.heads.qqp and mean.train.lr == base.train.lr
+    assert mean.heads["sst"].pooling == "mean" and mean.train.seed == 7
+    assert mean.heads["sst"].dropout == base.heads["sst"].dropout  # siblings of an override are kept
+    assert mean.heads["qqp"] == base.heads["qqp"] and mean.train.lr == base.train.lr
+    assert mean.tasks == base.tasks
 
 
 def test_bad_variant_override_names_the_variant_and_key(raw_params):

@@ -16,7 +16,9 @@ from stages.core.data.batches import TokenColumn
 from stages.core.data.masking import IGNORE_INDEX, MaskingVocab, mask_tokens
 from stages.core.model.backbone import PROVENANCE_FILE, starting_point
 from stages.core.params import load_params
-from stages.pretrain import Paths, Pretrainer, app
+from stages.core.training.masked_lm import Pretrainer
+from stages.core.training.run import Paths
+from stages.pretrain import app
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +110,9 @@ def pretrain_params(tmp_path: Path, backbone: Path, **pretrain) -> Path:
     path = make_params(tmp_path, backbone, Path("unused"))
     raw = yaml.safe_load(path.read_text())
     raw["pretrain"].update({"enabled": True, "steps": 24, "batch_size": 8, "lr": 1e-3, "eval_every": 8,
-                            "checkpoint_every": 8, "eval_examples": 0, "threads": 1, "bucket_batches": 2,
-                            "warmup_fraction": 0.1, **pretrain})
-    path.write_text(yaml.safe_dump(raw))
+                            "eval_examples": 0, "bucket_batches": 2, "warmup_fraction": 0.1, **pretrain})
+    raw["runtime"] = {"threads": 1, "checkpoint_every": {"train": 3, "pretrain": 8}}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
 
 

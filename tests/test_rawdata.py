@@ -1,9 +1,11 @@
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from stages.core.data.kinds import Classification, Regression
 from stages.core.data.rawdata import RawDataError, read_split
-from stages.core.data.tasks import TASKS
+from tests.conftest import TASKS
 
 
 def write(path: Path, text: str | bytes) -> Path:
@@ -81,6 +83,22 @@ def test_sst_labels_must_be_whole_classes(tmp_path):
     rejects = read_split(path, TASKS["sst"], "dev").rejects
     assert rejects["id"].tolist() == ["b", "c"]
     assert set(rejects["reason"]) == {"label_out_of_range"}
+
+
+def test_label_domain_comes_from_the_task_kind(tmp_path):
+    three_classes = dataclasses.replace(TASKS["sst"], kind=Classification(3))
+    path = write(tmp_path / "ids-sst-dev.csv", "\tid\tsentence\tsentiment\n0\ta\tx\t2\n1\tb\tx\t3\n2\tc\tx\t0\n")
+    parsed = read_split(path, three_classes, "dev")
+    assert parsed.kept["label"].tolist() == [2, 0] and str(parsed.kept["label"].dtype) == "int64"
+    assert parsed.rejects[["id", "reason", "detail"]].to_dict("records") == [
+        {"id": "b", "reason": "label_out_of_range", "detail": "label '3', expected an integer 0-2"}]
+    one_to_seven = dataclasses.replace(TASKS["sts"], kind=Regression(1.0, 7.0))
+    path = write(tmp_path / "sts-dev.csv", "\tid\tsentence1\tsentence2\tsimilarity\n"
+                                           "0\tt1\ta\tb\t6.5\n1\tt2\ta\tb\t0.5\n2\tt3\ta\tb\t7\n")
+    parsed = read_split(path, one_to_seven, "dev")
+    assert parsed.kept["label"].tolist() == [6.5, 7.0] and str(parsed.kept["label"].dtype) == "float64"
+    assert parsed.rejects[["id", "reason", "detail"]].to_dict("records") == [
+        {"id": "t2", "reason": "label_out_of_range", "detail": "label '0.5', expected a number 1.0-7.0"}]
 
 
 def test_missing_column_names_the_file_and_the_expected_header(tmp_path):

@@ -36,6 +36,21 @@ def test_joint_takes_every_task_each_step_over_a_third_as_many_steps():
     assert len(schedule) == round(sum(BATCHES.values()) / 3)
 
 
+def test_schedules_follow_whatever_tasks_are_declared():
+    batches = {"a": 3, "b": 5, "c": 2, "d": 6}  # four tasks, none of them the default three
+    sizes = {task: 32 * n for task, n in batches.items()}
+
+    def schedule(sampler, batches=batches, sizes=sizes):
+        return epoch_schedule(sampler, batches, sizes, seed=0, epoch=0, epochs=1, temperature=1)
+
+    assert schedule("round_robin")[:5] == [("a",), ("b",), ("c",), ("d",), ("a",)]
+    assert Counter(task for step in schedule("shuffled") for task in step) == Counter(batches)
+    assert schedule("joint") == [("a", "b", "c", "d")] * 4  # 16 batches / 4 tasks
+    proportional = schedule("proportional")
+    assert len(proportional) == 16 and set(proportional) <= {("a",), ("b",), ("c",), ("d",)}
+    assert schedule("proportional", {"only": 4}, {"only": 100}) == [("only",)] * 4
+
+
 def test_proportional_follows_dataset_sizes():
     observed = shares(counts("proportional"))
     for task, size in SIZES.items():

@@ -7,22 +7,18 @@ import dataclasses
 import pytest
 import torch
 
+from stages.core.data.kinds import Binary, Classification, Regression
 from stages.core.model.multitask import MultitaskModel
-from stages.core.params import load_params, parse_section
+from stages.core.params import check_heads, load_params
 from stages.core.training.objective import Objective
 from stages.core.training.resume import load_checkpoint, save_checkpoint
-from stages.core.training.smart import (
-    EmaTeacher,
-    RngReplay,
-    Smart,
-    WordPerturbation,
-    divergence,
-    project,
-    squared_error,
-    symmetric_kl_bernoulli,
-    symmetric_kl_softmax,
-)
-from tests.conftest import REPO_ROOT
+from stages.core.training.smart import EmaTeacher, RngReplay, Smart, WordPerturbation, project
+from tests.conftest import REPO_ROOT, TASKS
+
+# SMART's l_s of each kind (stages/core/data/kinds.py): the symmetric KLs and the squared error
+symmetric_kl_softmax = Classification(5).divergence
+symmetric_kl_bernoulli = Binary().divergence
+squared_error = Regression(0, 5).divergence
 
 CPU = torch.device("cpu")
 
@@ -41,7 +37,7 @@ def model(params, tiny_backbone):
     from stages.core.model.backbone import load_encoder
 
     torch.manual_seed(0)
-    return MultitaskModel(load_encoder(str(tiny_backbone)), params.heads).train()
+    return MultitaskModel(load_encoder(str(tiny_backbone)), TASKS, params.heads).train()
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +75,21 @@ def test_bernoulli_symmetric_kl_equals_the_two_class_softmax_form():
     torch.testing.assert_close(symmetric_kl_bernoulli(x, y), as_two_classes, rtol=1e-5, atol=1e-6)
 
 
-def test_sts_term_is_per_example_and_refuses_broadcasting():
+def test_sts_term_is_per_example_and_refuses_broadcasting(model):
     a, b = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.5, 2.0, 1.0])
-    assert divergence("sts", a, b).shape == (3,)
-    torch.testing.assert_close(divergence("sts", a, b), torch.tensor([0.25, 0.0, 4.0]))
+    assert model.divergence("sts", a, b).shape == (3,)
+    torch.testing.assert_close(model.divergence("sts", a, b), torch.tensor([0.25, 0.0, 4.0]))
     with pytest.raises(ValueError, match=r"\(3,\) and \(3, 1\)"):
         squared_error(a, b.unsqueeze(-1))
+
+
+def test_the_model_takes_each_tasks_divergence_from_its_kind(model):
+    torch.manual_seed(2)
+    logits_a, logits_b, x, y = torch.randn(8, 5), torch.randn(8, 5), torch.randn(8), torch.randn(8)
+    assert torch.equal(model.divergence("sst", logits_a, logits_b), symmetric_kl_softmax(logits_a, logits_b))
+    assert torch.equal(model.divergence("qqp", x, y), symmetric_kl_bernoulli(x, y))
+    assert torch.equal(model.divergence("sts", x, y), squared_error(x, y))
+    assert not torch.equal(model.divergence("qqp", x, y), model.divergence("sts", x, y))
 
 
 # --- projection -----------------------------------------------------------------------------------
@@ -134,9 +139,9 @@ def test_delta_is_added_to_word_embeddings_before_position_type_and_layernorm(mo
 
 
 def test_bi_encoder_perturbs_each_sentence(model, params, batches):
-    heads = parse_section(type(params.heads), {**_heads_dict(params), "sts": {**_heads_dict(params)["sts"],
-                                               "encoding": "bi", "pooling": "mean"}}, "heads")
-    bi_model = MultitaskModel(model.encoder, heads).train()
+    heads = {**params.heads, "sts": dataclasses.replace(params.heads["sts"], encoding="bi", pooling="mean")}
+    check_heads(params.tasks, heads)
+    bi_model = MultitaskModel(model.encoder, TASKS, heads).train()
     smart = Smart(smart_params(params), bi_model.word_embeddings, CPU, seed=0)
     batch = batches["sts_bi"]
     replay = RngReplay(CPU)
@@ -146,12 +151,6 @@ def test_bi_encoder_perturbs_each_sentence(model, params, batches):
     with perturbation.applied(lambda e, m: torch.zeros_like(e)):
         bi_model("sts", batch)
     assert perturbation.deltas[0].shape[0] == 2 * len(batch["labels"])  # both sentences of every pair
-
-
-def _heads_dict(params):
-    from stages.core.params import as_dict
-
-    return as_dict(params.heads)
 
 
 @pytest.mark.parametrize("norm", ["inf", "l2"])
@@ -164,7 +163,7 @@ def test_ascent_finds_a_worse_perturbation_than_random_noise_of_the_same_size(mo
     torch.manual_seed(5)
     random = lambda e, m: project(torch.randn_like(e).sign() * 1e-2 * m, norm, 1e-2)  # noqa: E731
     with WordPerturbation(model.encoder.get_input_embeddings()).applied(random):
-        noise = divergence("sst", model("sst", batches["sst"]), clean).mean()
+        noise = model.divergence("sst", model("sst", batches["sst"]), clean).mean()
     assert adversarial.item() > 2 * noise.item()
 
 
@@ -192,8 +191,7 @@ def test_parameter_gradients_with_lambda_differ_from_lambda_zero(model, params, 
 
 
 def test_per_task_lambda_overrides_the_global_one(params):
-    p = smart_params(params, lambda_=2.0, task_lambda=dataclasses.replace(params.smart.task_lambda, qqp=0.0,
-                                                                          sts=5.0))
+    p = smart_params(params, lambda_=2.0, task_lambda={**params.smart.task_lambda, "qqp": 0.0, "sts": 5.0})
     assert (p.task_weight("sst"), p.task_weight("qqp"), p.task_weight("sts")) == (2.0, 0.0, 5.0)
 
 
@@ -219,6 +217,29 @@ def test_teacher_update_follows_the_formula(model):
     for old, new, student in zip(before, teacher.model.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(new, 0.9 * old + 0.1 * student, rtol=1e-6, atol=1e-7)
     assert all(not p.requires_grad for p in teacher.model.parameters())
+
+
+def test_teacher_loss_follows_the_students_mode_and_divergence(model, batches):
+    teacher = EmaTeacher(model, beta=0.9)
+
+    def forward(m):
+        return m("sst", batches["sst"])
+
+    replay = RngReplay(CPU)  # before the student's pass, as in the objective
+    student = forward(model)
+    assert teacher.loss(model, "sst", forward, student, replay).item() == 0.0  # same weights, same masks
+    assert teacher.model.training
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    model.eval()
+    student = forward(model)
+    loss = teacher.loss(model, "sst", forward, student, RngReplay(CPU))
+    assert not teacher.model.training  # the student's mode, not a flag
+    with torch.no_grad():
+        expected = symmetric_kl_softmax(student, forward(teacher.model)).mean()
+    torch.testing.assert_close(loss, expected)
+    assert loss.item() > 0 and loss.requires_grad  # gradients reach the student only
 
 
 def test_teacher_equal_to_the_student_gives_zero_bregman_loss_with_dropout_on(model, params, batches):

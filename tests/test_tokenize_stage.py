@@ -8,15 +8,16 @@ import yaml
 from typer.testing import CliRunner
 
 from stages.core.data.rawdata import RawDataError
+from stages.core.params import deep_merge
 from stages.tokenize import app
 from tests.conftest import REPO_ROOT, write_raw_files
 
 
-def write_params(path: Path, raw_dir: Path, **data_overrides) -> Path:
-    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+def write_params(path: Path, raw_dir: Path, extra: dict | None = None, **data_overrides) -> Path:
+    params = deep_merge(yaml.safe_load((REPO_ROOT / "params.yaml").read_text()), extra or {})
     params["data"].update(raw_dir=str(raw_dir), **data_overrides)
     params["tokenize"]["max_length"] = 16
-    path.write_text(yaml.safe_dump(params))
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path
 
 
@@ -58,3 +59,33 @@ def test_stage_fails_when_a_file_rejects_too_many_rows(tmp_path):
     assert "label_out_of_range" in (tmp_path / "rejects.tsv").read_text()  # the evidence is kept
 
 
+# A three-class single-sentence task that only params.yaml knows about, with its own file names.
+EMOTION = {
+    "tasks": {"emo": {"files": {"prefix": "emo", "train": "train", "dev": "dev", "test": "blind"},
+                      "text": ["text"], "label": "feeling", "kind": "classification", "classes": 3,
+                      "metric": "macro_f1", "submission": {"file": "emo", "column": "Predicted_Feeling"}}},
+    "heads": {"emo": {"pooling": "mean", "hidden_layers": 0, "dropout": 0.1, "loss_weight": 1.0}},
+    "train": {"batch_size": {"emo": 4}},
+    "smart": {"task_lambda": {"emo": None}},
+}
+
+
+def test_a_task_declared_in_params_alone_is_tokenized(tmp_path):
+    raw = write_raw_files(tmp_path / "raw", {
+        "emo-train.csv": "\tid\ttext\tfeeling\n0\te1\ta happy day\t2\n1\te2\ta sad day\t0\n2\te3\tso so\t1\n"
+                         "3\te4\tmeh\t1\n",
+        "emo-dev.csv": "\tid\ttext\tfeeling\n0\ted1\tgreat\t2\n",
+        "emo-blind.csv": "\tid\ttext\n0\tet1\tfine\n1\tet2\tawful\n",
+    })
+    result = run_stage(tmp_path, write_params(tmp_path / "params.yaml", raw, EMOTION))
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == sorted(
+        f"{task}-{split}.parquet" for task in ("sst", "qqp", "sts", "emo") for split in ("train", "dev", "test"))
+    train = pq.read_table(tmp_path / "tok" / "emo-train.parquet")
+    assert train.column("id").to_pylist() == ["e1", "e2", "e3", "e4"]
+    assert train.column("label").to_pylist() == [2, 0, 1, 1] and str(train.schema.field("label").type) == "int64"
+    assert "input_ids_1" not in train.column_names  # one sentence: no pair encodings
+    assert pq.read_table(tmp_path / "tok" / "emo-test.parquet").column("label").null_count == 2
+    report = json.loads((tmp_path / "data.json").read_text())
+    assert report["emo"]["train"]["labels"] == {"0": 1, "1": 2, "2": 1}
+    assert report["emo"]["test"]["rows_kept"] == 2 and "labels" not in report["emo"]["test"]

@@ -11,7 +11,8 @@ import yaml
 from safetensors.torch import load_file
 
 from stages.core.params import variant_params
-from stages.train import Paths, Trainer, TrainingError
+from stages.core.training.finetune import Trainer
+from stages.core.training.run import Paths, TrainingError
 from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params
 
 

@@ -18,12 +18,13 @@ from typing import Any, Literal
 
 import yaml
 
+from stages.core.runtime import UserError
+
 DEFAULT_PARAMS_FILE = Path("params.yaml")
-TaskName = Literal["sst", "qqp", "sts"]
 VARIANT_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
-class ParamsError(ValueError):
+class ParamsError(UserError, ValueError):
     """A params.yaml key is unknown, missing or has a bad value."""
 
 
@@ -36,6 +37,12 @@ def _bounded(*, ge: float | None = None, gt: float | None = None, le: float | No
     return dataclasses.field(metadata={"ge": ge, "gt": gt, "le": le, "lt": lt, "key": key})
 
 
+def _optional(**bounds) -> Any:
+    """A field that may be absent from params.yaml (then None): a key only some tasks or heads need."""
+    field = _bounded(**bounds)
+    return dataclasses.field(metadata={**field.metadata, "optional": True})
+
+
 def _yaml_key(field: dataclasses.Field) -> str:
     return field.metadata.get("key") or field.name
 
@@ -44,7 +51,55 @@ def _yaml_key(field: dataclasses.Field) -> str:
 class DataParams:
     raw_dir: str
     max_reject_fraction: float = _bounded(ge=0.0, le=1.0)
-    unescape_ptb: list[TaskName]  # tasks whose text has PTB escapes such as -LRB- to turn back
+    unescape_ptb: list[str]  # tasks whose text has PTB escapes such as -LRB- to turn back
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskFiles:
+    """The raw files of a task: <raw_dir>/<prefix>-<split name>.csv."""
+    prefix: str
+    train: str
+    dev: str
+    test: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SubmissionParams:
+    file: str  # <file>-<split>-output.csv
+    column: str  # the prediction column's header
+
+
+TaskKind = Literal["classification", "binary", "regression"]
+KIND_METRICS = {"classification": ("accuracy", "macro_f1"), "binary": ("accuracy", "f1"),
+                "regression": ("pearson", "spearman")}
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskParams:
+    """One task's declaration; its kind decides loss, outputs, metrics and dumps (stages/core/data/kinds.py)."""
+    files: TaskFiles
+    text: list[str]  # one column (a sentence) or two (a pair)
+    label: str  # the label column
+    kind: TaskKind
+    classes: int | None = _optional(ge=2)  # classification only: labels 0..classes-1
+    range: list[float] | None = _optional()  # regression only: [lowest, highest] label
+    metric: str  # the headline metric: ranks models and enters the overall score
+    submission: SubmissionParams
+
+    def __post_init__(self):
+        if len(self.text) not in (1, 2) or len(set(self.text)) != len(self.text):
+            raise ParamsError(f"text: expected one column or two distinct ones, got {self.text!r}")
+        if (self.kind == "classification") != (self.classes is not None):
+            raise ParamsError(f"classes: expected for kind classification only, got {self.classes!r} "
+                              f"with kind {self.kind}")
+        if self.kind == "regression":
+            if self.range is None or len(self.range) != 2 or not self.range[0] < self.range[1]:
+                raise ParamsError(f"range: kind regression expects [lowest, highest], got {self.range!r}")
+        elif self.range is not None:
+            raise ParamsError(f"range: expected for kind regression only, got {self.range!r}")
+        if self.metric not in KIND_METRICS[self.kind]:
+            raise ParamsError(f"metric: kind {self.kind} offers {', '.join(KIND_METRICS[self.kind])}, "
+                              f"got {self.metric!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +141,7 @@ class PretrainParams:
     eval_examples: int = _bounded(ge=0)  # dev sentences in the held-out set; 0 = all
     bf16: bool
     seed: int = _bounded(ge=0)
-    threads: int = _bounded(ge=0)  # CPU threads, shared among the processes
     nproc: int = _bounded(ge=1)  # processes on this machine; > 1 relaunches the stage through torchrun
-    checkpoint_every: int = _bounded(ge=1)  # steps between resume checkpoints
 
     def __post_init__(self):
         if not self.corpus or len(set(self.corpus)) != len(self.corpus):
@@ -100,35 +153,47 @@ Pooling = Literal["cls", "mean", "max", "attention"]
 
 @dataclasses.dataclass(frozen=True)
 class HeadParams:
+    """One task's head. Pair tasks also set encoding and combine; regression tasks set target."""
     pooling: Pooling
     hidden_layers: int = _bounded(ge=0, le=8)  # Linear-GELU-Dropout blocks before the output layer
     dropout: float = _bounded(ge=0.0, lt=1.0)
     loss_weight: float = _bounded(ge=0.0)
+    encoding: Literal["cross", "bi"] | None = _optional()  # one joint sequence, or each sentence alone
+    combine: Literal["cosine", "features"] | None = _optional()  # bi only: cos(u, v), or [u, v, |u-v|, u*v]
+    target: Literal["raw", "unit"] | None = _optional()  # regress on the label, or on it scaled to 0-1
+
+    @property
+    def is_bi(self) -> bool:
+        return self.encoding == "bi"
 
 
-@dataclasses.dataclass(frozen=True)
-class PairHeadParams(HeadParams):
-    encoding: Literal["cross", "bi"]  # one joint sequence, or each sentence alone
-    combine: Literal["cosine", "features"]  # bi-encoder only: cos(u, v), or [u, v, |u-v|, u*v]
+def check_heads(tasks: dict[str, TaskParams], heads: dict[str, HeadParams], key: str = "heads") -> None:
+    """Each task has one head, with the keys its text and kind need and no others."""
+    check_task_keys(tasks, heads, key)
+    for name, head in heads.items():
+        task = tasks[name]
+        pair = len(task.text) == 2
+        for option in ("encoding", "combine"):
+            if pair and getattr(head, option) is None:
+                raise ParamsError(f"missing key '{key}.{name}.{option}': task {name} is a sentence pair")
+            if not pair and getattr(head, option) is not None:
+                raise ParamsError(f"{key}.{name}.{option}: task {name} has one sentence, so it takes no {option}")
+        if (task.kind == "regression") != (head.target is not None):
+            raise ParamsError(f"{key}.{name}.target: expected for regression tasks only (task {name} is "
+                              f"{task.kind}), got {head.target!r}")
+        if head.is_bi and head.combine == "cosine" and task.kind == "classification":
+            raise ParamsError(f"{key}.{name}.combine: cosine gives one score, but task {name} has "
+                              f"{task.classes} classes; use features")
 
 
-@dataclasses.dataclass(frozen=True)
-class StsHeadParams(PairHeadParams):
-    target: Literal["raw", "unit"]  # regress on 0-5, or on label/5 through a sigmoid
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadsParams:
-    sst: HeadParams
-    qqp: PairHeadParams
-    sts: StsHeadParams
-
-
-@dataclasses.dataclass(frozen=True)
-class PerTask:
-    sst: int = _bounded(ge=1)
-    qqp: int = _bounded(ge=1)
-    sts: int = _bounded(ge=1)
+def check_task_keys(tasks: dict, mapping: dict, key: str) -> None:
+    """A per-task map names exactly the declared tasks."""
+    unknown = [name for name in mapping if name not in tasks]
+    if unknown:
+        raise ParamsError(f"{key}.{unknown[0]}: unknown task; tasks declares {', '.join(tasks)}")
+    missing = [name for name in tasks if name not in mapping]
+    if missing:
+        raise ParamsError(f"missing key '{key}.{missing[0]}': every task declared in tasks needs one")
 
 
 Sampler = Literal["round_robin", "proportional", "temperature", "annealed", "shuffled", "joint"]
@@ -147,16 +212,14 @@ class TrainParams:
     schedule: Literal["linear", "cosine", "constant"]
     grad_clip: float = _bounded(ge=0.0)  # max global grad norm; 0 turns clipping off
     grad_accum: int = _bounded(ge=1)
-    batch_size: PerTask
+    batch_size: dict[str, int] = _bounded(ge=1)  # per task
     eval_batch_size: int = _bounded(ge=1)
     sampler: Sampler
     temperature: float = _bounded(gt=0.0)  # for sampler: temperature (p ~ n^(1/T))
     bucket_batches: int = _bounded(ge=1)  # batches per length-sorting window; 1 turns bucketing off
     max_examples: int = _bounded(ge=0)  # per task and split, for quick runs; 0 uses all
     bf16: bool
-    threads: int = _bounded(ge=0)  # CPU threads for torch (shared among the ranks); 0 leaves torch's default
     nproc: int = _bounded(ge=1)  # processes on this machine; > 1 relaunches the stage through torchrun
-    checkpoint_every: int = _bounded(ge=1)  # optimiser steps between resume checkpoints
     gradient: Literal["plain", "pcgrad"]  # pcgrad: gradient surgery across the tasks of a joint step
 
     def __post_init__(self):
@@ -166,18 +229,10 @@ class TrainParams:
 
 
 @dataclasses.dataclass(frozen=True)
-class TaskLambdas:
-    """Per-task overrides of smart.lambda; null inherits it, 0 turns SMART off for that task."""
-    sst: float | None = _bounded(ge=0.0)
-    qqp: float | None = _bounded(ge=0.0)
-    sts: float | None = _bounded(ge=0.0)
-
-
-@dataclasses.dataclass(frozen=True)
 class SmartParams:
     """SMART adversarial regularisation and the Bregman proximal-point teacher (Jiang et al. 2020)."""
     lambda_: float = _bounded(ge=0.0, key="lambda")  # weight of the adversarial term; 0 turns SMART off
-    task_lambda: TaskLambdas
+    task_lambda: dict[str, float | None] = _bounded(ge=0.0)  # per task: null inherits lambda, 0 turns it off
     epsilon: float = _bounded(gt=0.0)  # radius of the ball around each token's word embedding
     sigma: float = _bounded(ge=0.0)  # std of the initial noise
     eta: float = _bounded(gt=0.0)  # ascent step size
@@ -188,7 +243,7 @@ class SmartParams:
     beta: float = _bounded(ge=0.0, lt=1.0)  # teacher momentum
 
     def task_weight(self, task: str) -> float:
-        override = getattr(self.task_lambda, task)
+        override = self.task_lambda[task]
         return self.lambda_ if override is None else override
 
 
@@ -196,7 +251,20 @@ class SmartParams:
 class PredictParams:
     batch_size: int = _bounded(ge=1)
     bf16: bool
-    threads: int = _bounded(ge=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointEvery:
+    train: int = _bounded(ge=1)  # optimiser steps between resume checkpoints
+    pretrain: int = _bounded(ge=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeParams:
+    """How fast and how safely a stage runs, never what it computes: dvc.yaml tracks none of these keys,
+    so changing them re-runs nothing (and resume checkpoints stay valid)."""
+    threads: int = _bounded(ge=0)  # CPU threads per stage, shared among its processes; 0 = torch's default
+    checkpoint_every: CheckpointEvery
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,16 +275,43 @@ class EnsembleParams:
 
 @dataclasses.dataclass(frozen=True)
 class Params:
+    tasks: dict[str, TaskParams]  # task name -> its declaration, in the order the pipeline runs them
     data: DataParams
     tokenize: TokenizeParams
     model: ModelParams
     pretrain: PretrainParams
-    heads: HeadsParams
+    heads: dict[str, HeadParams]  # task name -> its head
     train: TrainParams
     smart: SmartParams
     predict: PredictParams
     ensemble: EnsembleParams
+    runtime: RuntimeParams
     models: dict[str, dict]  # named variants: overrides deep-merged over the sections above
+
+    def __post_init__(self):
+        if not self.tasks:
+            raise ParamsError("tasks: expected at least one task declaration")
+        for name in self.tasks:
+            if not VARIANT_NAME.fullmatch(name):
+                raise ParamsError(f"tasks.{name}: a task name may use letters, digits, '_' and '-'")
+        unknown = [name for name in self.data.unescape_ptb if name not in self.tasks]
+        if unknown:
+            raise ParamsError(f"data.unescape_ptb: unknown task {unknown[0]!r}; tasks declares {', '.join(self.tasks)}")
+        check_heads(self.tasks, self.heads)
+        check_task_keys(self.tasks, self.train.batch_size, "train.batch_size")
+        check_task_keys(self.tasks, self.smart.task_lambda, "smart.task_lambda")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What shapes a saved model besides its encoders: its tasks and their heads (from mtbert.json)."""
+    tasks: dict[str, TaskParams]
+    heads: dict[str, HeadParams]
+
+    def __post_init__(self):
+        if not self.tasks:
+            raise ParamsError("tasks: expected at least one task declaration")
+        check_heads(self.tasks, self.heads)
 
 
 def load_params(path: Path | str = DEFAULT_PARAMS_FILE) -> Params:
@@ -245,7 +340,7 @@ def parse_params(raw: Any, *, source: str = "params") -> Params:
 
 
 def parse_section(cls: type, raw: Any, key: str, *, source: str = "params") -> Any:
-    """One section (e.g. HeadsParams from a saved model's config), validated like params.yaml."""
+    """One section (e.g. a ModelSpec from a saved model's config), validated like params.yaml."""
     try:
         return _build(cls, raw, key)
     except ParamsError as error:
@@ -268,8 +363,9 @@ def merged_variant(raw: dict, variant: str) -> dict:
     overrides = models[variant] or {}
     if not isinstance(overrides, dict):
         raise ParamsError(f"models.{variant}: expected a mapping of overrides, got {overrides!r}")
-    if "models" in overrides:
-        raise ParamsError(f"models.{variant}: a variant cannot override 'models'")
+    for section in ("models", "tasks"):  # every variant trains on the tasks tokenize wrote
+        if section in overrides:
+            raise ParamsError(f"models.{variant}: a variant cannot override '{section}'")
     return deep_merge(raw, overrides)
 
 
@@ -305,13 +401,13 @@ def _build(cls: type, raw: Any, key: str) -> Any:
     if unknown:
         raise ParamsError(f"unknown key {_join(key, unknown[0])!r}; "
                           f"{label} accepts: {', '.join(fields)}")
-    missing = [name for name in fields if name not in raw]
+    missing = [name for name, field in fields.items() if name not in raw and not field.metadata.get("optional")]
     if missing:
         raise ParamsError(f"missing key {_join(key, missing[0])!r}")
     values = {}
     for name, field in fields.items():
         full_key = _join(key, name)
-        value = _convert(hints[field.name], raw[name], full_key)
+        value = _convert(hints[field.name], raw[name], full_key) if name in raw else None
         _check_bounds(field.metadata, value, full_key)
         values[field.name] = value
     try:
@@ -374,6 +470,10 @@ _COMPARISONS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"),
 
 
 def _check_bounds(metadata: typing.Mapping[str, Any], value: Any, key: str) -> None:
+    if isinstance(value, dict):  # a per-task map: the bounds hold for each value
+        for name, item in value.items():
+            _check_bounds(metadata, item, _join(key, str(name)))
+        return
     if value is None:
         return
     for name, (compare, symbol) in _COMPARISONS.items():

@@ -4,6 +4,29 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+
+
+class UserError(Exception):
+    """Bad params, data or model folder: the message names the file, row or key and what was expected.
+
+    A stage run through `run_app` prints it as one line and exits 1; MTBERT_DEBUG=1 shows the traceback.
+    """
+
+
+class MissingInputError(UserError, FileNotFoundError):
+    """A stage's input file is not there (an earlier stage has not run)."""
+
+
+def run_app(app) -> None:
+    """Run a stage's typer app, turning a UserError into one line on stderr and exit status 1."""
+    try:
+        app()
+    except UserError as error:
+        if os.environ.get("MTBERT_DEBUG"):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
 
 
 def setup_logging(level: str | None = None) -> None:

@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from stages.core.data.tasks import TASKS, Task, tokenized_path
+from stages.core.data.tasks import Task, tokenized_path
+from stages.core.runtime import MissingInputError
 
 
 @dataclasses.dataclass
@@ -100,11 +101,10 @@ class TaskSplit:
         return batch
 
 
-def load_split(tokenized_dir: Path | str, task_name: str, split: str, max_examples: int = 0) -> TaskSplit:
-    task = TASKS[task_name]
-    path = tokenized_path(tokenized_dir, task_name, split)
+def load_split(tokenized_dir: Path | str, task: Task, split: str, max_examples: int = 0) -> TaskSplit:
+    path = tokenized_path(tokenized_dir, task.name, split)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; run `dvc repro tokenize` first")
+        raise MissingInputError(f"{path} is missing; run `dvc repro tokenize` first")
     table = pq.read_table(path)
     if max_examples:
         table = table.slice(0, max_examples)

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from stages.core.data.tasks import Task
+from stages.core.runtime import UserError
 
 # Checked in this order; a row is rejected for the first reason that applies.
 REJECT_REASONS = ("missing_id", "duplicate_id", "empty_text", "missing_label", "label_not_a_number",
@@ -27,7 +28,7 @@ PTB_ESCAPES = {"-LRB-": "(", "-RRB-": ")", "-LSB-": "[", "-RSB-": "]", "-LCB-": 
                "``": '"', "''": '"', "\\/": "/", "\\*": "*"}
 
 
-class RawDataError(ValueError):
+class RawDataError(UserError, ValueError):
     """A raw file cannot be read as the expected table."""
 
 
@@ -114,8 +115,7 @@ def clean_text(column: pd.Series, unescape_ptb: bool) -> pd.Series:
 
 def parse_labels(column: pd.Series, task: Task) -> pd.Series:
     """Labels of rows that passed validation: int64 class ids, or float64 scores."""
-    values = pd.to_numeric(column.str.strip())
-    return values.astype("float64" if task.label_kind == "score" else "int64")
+    return task.kind.parse_labels(pd.to_numeric(column.str.strip()))
 
 
 def _row_problems(table: pd.DataFrame, ids: pd.Series, texts: dict[str, pd.Series], task: Task,
@@ -144,12 +144,11 @@ def _flag_label_problems(raw: pd.Series, task: Task, flag) -> None:
     values = pd.to_numeric(raw, errors="coerce")
     flag(raw == "", "missing_label", f"column {task.label_column!r} is empty")
     flag(values.isna() | ~np.isfinite(values), "label_not_a_number", "label " + raw.map(repr))
-    in_range = (values >= task.label_min) & (values <= task.label_max)
-    if task.label_kind != "score":
+    low, high, integer = task.kind.label_domain()
+    in_range = (values >= low) & (values <= high)
+    if integer:
         in_range &= values == np.round(values)
-    domain = (f"an integer {task.label_min}-{task.label_max}" if task.label_kind != "score"
-              else f"a number {task.label_min}-{task.label_max}")
-    flag(~in_range, "label_out_of_range", "label " + raw.map(repr) + f", expected {domain}")
+    flag(~in_range, "label_out_of_range", "label " + raw.map(repr) + f", expected {task.kind.describe_domain()}")
 
 
 def _decode_utf8(path: Path) -> str:

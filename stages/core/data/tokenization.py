@@ -54,7 +54,7 @@ def encode_rows(tokenizer, rows, task: Task, *, max_length: int, batch_size: int
 
 
 def _label_array(rows, task: Task) -> pa.Array:
-    arrow_type = pa.float64() if task.label_kind == "score" else pa.int64()
+    arrow_type = task.kind.label_type
     if "label" not in rows:
         return pa.nulls(len(rows), arrow_type)
     return pa.array(rows["label"].to_numpy(), arrow_type)

@@ -12,7 +12,8 @@ import hashlib
 
 import numpy as np
 
-from stages.core.evaluation.metrics import HEADLINE, task_metrics
+from stages.core.data.tasks import Task
+from stages.core.evaluation.metrics import headline
 
 
 @dataclasses.dataclass
@@ -24,15 +25,11 @@ class Selection:
         return {name: self.members.count(name) for name in dict.fromkeys(self.members)}
 
 
-def headline(task: str, values: np.ndarray, labels: np.ndarray) -> float:
-    return task_metrics(task, values, labels)[HEADLINE[task]]
-
-
 def average(predictions: dict[str, np.ndarray], members: list[str]) -> np.ndarray:
     return np.mean([predictions[name] for name in members], axis=0)
 
 
-def greedy_select(task: str, predictions: dict[str, np.ndarray], labels: np.ndarray, *, max_members: int,
+def greedy_select(task: Task, predictions: dict[str, np.ndarray], labels: np.ndarray, *, max_members: int,
                   with_replacement: bool) -> Selection:
     """predictions: model name -> values on the same rows as labels. Ties go to the earlier name.
 
@@ -66,7 +63,7 @@ def dev_halves(ids: np.ndarray) -> np.ndarray:
     return np.array([hashlib.sha256(str(i).encode()).digest()[0] & 1 == 1 for i in ids])
 
 
-def honest_estimate(task: str, predictions: dict[str, np.ndarray], labels: np.ndarray, ids: np.ndarray, *,
+def honest_estimate(task: Task, predictions: dict[str, np.ndarray], labels: np.ndarray, ids: np.ndarray, *,
                     max_members: int, with_replacement: bool) -> dict:
     """Select on one half of dev, score on the other, both ways; the mean is an unbiased-ish estimate."""
     half_b = dev_halves(ids)

@@ -12,7 +12,7 @@ from stages.core.model.multitask import MultitaskModel
 
 def predict_split(model: MultitaskModel, split: TaskSplit, batch_size: int, device: torch.device,
                   bf16: bool = False) -> np.ndarray:
-    """User-facing predictions in the split's row order (SST (N, 5) probabilities, else (N,))."""
+    """User-facing predictions in the split's row order ((N, C) class probabilities, else (N,))."""
     task = split.task.name
     encoding = model.encoding(task)
     batches = eval_batches(split.lengths(encoding), batch_size)
@@ -34,7 +34,7 @@ def evaluate(model: MultitaskModel, dev: dict[str, TaskSplit], batch_size: int, 
              bf16: bool = False) -> dict:
     """{task: {metric: value}} plus 'overall'."""
     results: dict = {}
-    for task, split in dev.items():
-        results[task] = task_metrics(task, predict_split(model, split, batch_size, device, bf16), split.labels)
-    results["overall"] = overall(results)
+    for name, split in dev.items():
+        results[name] = task_metrics(split.task, predict_split(model, split, batch_size, device, bf16), split.labels)
+    results["overall"] = overall(results, {name: split.task for name, split in dev.items()})
     return results

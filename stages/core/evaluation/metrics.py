@@ -1,45 +1,25 @@
-"""Dev metrics of the three tasks and the overall score (mean of SST acc, QQP acc, STS Pearson)."""
+"""Dev metrics: each task's by its kind (stages/core/data/kinds.py), and the overall score, the mean of
+every task's headline metric (by default SST accuracy, QQP accuracy, STS Pearson)."""
 
 from __future__ import annotations
 
 import numpy as np
-from scipy import stats
 
-HEADLINE = {"sst": "accuracy", "qqp": "accuracy", "sts": "pearson"}
-
-
-def sst_metrics(probabilities: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    predicted = probabilities.argmax(-1)
-    labels = labels.astype(int)
-    f1s = [_f1(predicted == c, labels == c) for c in range(probabilities.shape[-1])]
-    return {"accuracy": float(np.mean(predicted == labels)), "macro_f1": float(np.mean(f1s))}
+from stages.core.data.tasks import Task
 
 
-def qqp_metrics(probabilities: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    predicted = probabilities >= 0.5
-    gold = labels.astype(int) == 1
-    return {"accuracy": float(np.mean(predicted == gold)), "f1": _f1(predicted, gold)}
+def task_metrics(task: Task, values: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    return task.kind.metrics(values, labels)
 
 
-def sts_metrics(scores: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    if len(scores) < 2 or np.std(scores) == 0:
-        return {"pearson": 0.0, "spearman": 0.0}
-    return {"pearson": float(stats.pearsonr(scores, labels).statistic),
-            "spearman": float(stats.spearmanr(scores, labels).statistic)}
+def headline(task: Task, values: np.ndarray, labels: np.ndarray) -> float:
+    return task_metrics(task, values, labels)[task.headline]
 
 
-TASK_METRICS = {"sst": sst_metrics, "qqp": qqp_metrics, "sts": sts_metrics}
+def overall(per_task: dict[str, dict[str, float]], tasks: dict[str, Task]) -> float:
+    return float(np.mean([per_task[name][task.headline] for name, task in tasks.items()]))
 
 
-def task_metrics(task: str, predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    return TASK_METRICS[task](predictions, labels)
-
-
-def overall(per_task: dict[str, dict[str, float]]) -> float:
-    return float(np.mean([per_task[task][metric] for task, metric in HEADLINE.items()]))
-
-
-def _f1(predicted: np.ndarray, gold: np.ndarray) -> float:
-    true_positive = np.sum(predicted & gold)
-    denominator = np.sum(predicted) + np.sum(gold)
-    return float(2 * true_positive / denominator) if denominator else 0.0
+def headline_summary(per_task: dict[str, dict[str, float]], tasks: dict[str, Task]) -> str:
+    """For the logs, e.g. 'sst accuracy 0.4859  qqp accuracy 0.8425  sts pearson 0.8634'."""
+    return "  ".join(f"{name} {task.headline} {per_task[name][task.headline]:.4f}" for name, task in tasks.items())

@@ -21,8 +21,6 @@ from pathlib import Path
 
 from torch import nn
 
-from stages.core.data.tasks import TASK_NAMES
-
 ARCHS = ("shared", "cerbertus", "independent", "shared+independent", "static")
 SHARED_DIR = "encoder"
 
@@ -41,7 +39,7 @@ def replicate_top(encoder: nn.Module, task_layers: int) -> nn.Module:
 
 
 class TaskEncoders(nn.Module):
-    def __init__(self, encoder: nn.Module, arch: str, task_layers: int):
+    def __init__(self, encoder: nn.Module, task_names: list[str], arch: str, task_layers: int):
         super().__init__()
         if arch not in ARCHS:
             raise ValueError(f"model.arch: expected one of {', '.join(ARCHS)}, got {arch!r}")
@@ -49,17 +47,17 @@ class TaskEncoders(nn.Module):
         if arch == "cerbertus" and not 0 <= task_layers <= num_layers:
             raise ValueError(f"model.task_layers: expected 0 to {num_layers} (the encoder's layers) for "
                              f"arch cerbertus, got {task_layers}")
-        self.arch, self.task_layers = arch, task_layers
+        self.arch, self.task_layers, self.task_names = arch, task_layers, list(task_names)
         self.shared = encoder
         self.towers = nn.ModuleDict()
         self.static = None
         if arch in ("cerbertus", "independent"):
             k = task_layers if arch == "cerbertus" else num_layers
             # The first task uses the shared encoder itself, so no layer goes unused.
-            for task in TASK_NAMES:
-                self.towers[task] = encoder if task == TASK_NAMES[0] else replicate_top(encoder, k)
+            for task in self.task_names:
+                self.towers[task] = encoder if task == self.task_names[0] else replicate_top(encoder, k)
         elif arch == "shared+independent":
-            for task in TASK_NAMES:
+            for task in self.task_names:
                 self.towers[task] = copy.deepcopy(encoder)
         elif arch == "static":
             self.static = copy.deepcopy(encoder).requires_grad_(False).eval()
@@ -78,7 +76,7 @@ class TaskEncoders(nn.Module):
     @property
     def width(self) -> int:
         """How many encoders' pooled outputs each head sees."""
-        return len(self.for_task(TASK_NAMES[0]))
+        return len(self.for_task(self.task_names[0]))
 
     def train(self, mode: bool = True):
         super().train(mode)

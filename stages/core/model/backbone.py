@@ -14,13 +14,15 @@ import json
 import logging
 from pathlib import Path
 
+from stages.core.runtime import UserError
+
 log = logging.getLogger(__name__)
 
 
 PROVENANCE_FILE = "pretrain.json"  # in the `pretrain` stage's output: which backbone, and whether trained
 
 
-class BackboneError(RuntimeError):
+class BackboneError(UserError, RuntimeError):
     """The backbone named by model.name cannot be found or fails its integrity check."""
 
 

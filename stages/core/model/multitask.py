@@ -1,82 +1,36 @@
-"""One encoder, three task heads: pooling, pair encodings, heads, losses and user-facing predictions."""
+"""One encoder (or one per task, by arch), one head per declared task; losses and predictions by task kind."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stages.core.data.tasks import TASKS
+from stages.core.data.tasks import Task
 from stages.core.model.architectures import TaskEncoders
-from stages.core.params import HeadParams, HeadsParams, PairHeadParams
-
-
-def pool(kind: str, hidden: torch.Tensor, mask: torch.Tensor, pooler_output: torch.Tensor | None) -> torch.Tensor:
-    """(B, T, d) hidden states and (B, T) mask -> (B, d); padding never contributes."""
-    if kind == "cls":
-        return pooler_output if pooler_output is not None else hidden[:, 0]
-    mask_f = mask.unsqueeze(-1).to(hidden.dtype)
-    if kind == "mean":
-        return (hidden * mask_f).sum(1) / mask_f.sum(1).clamp(min=1.0)
-    if kind == "max":
-        return hidden.masked_fill(mask_f == 0, torch.finfo(hidden.dtype).min).max(1).values
-    if kind == "attention":
-        # CLS-anchored: alpha_t = softmax_t(<h_cls, h_t> / sqrt(d)), output h_cls + sum_t alpha_t h_t. The
-        # 1/sqrt(d) keeps the softmax from collapsing onto the CLS token's own (largest) dot product.
-        cls = hidden[:, 0]
-        scores = torch.einsum("bd,btd->bt", cls, hidden) / math.sqrt(hidden.shape[-1])
-        scores = scores.masked_fill(mask == 0, torch.finfo(scores.dtype).min)
-        return cls + torch.einsum("bt,btd->bd", scores.softmax(-1), hidden)
-    raise ValueError(f"unknown pooling {kind!r}")
-
-
-class MLPHead(nn.Module):
-    """Dropout, then N x (Linear, GELU, Dropout), then the output Linear."""
-
-    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, hidden_layers: int, dropout: float):
-        super().__init__()
-        layers: list[nn.Module] = [nn.Dropout(dropout)]
-        for i in range(hidden_layers):
-            layers += [nn.Linear(in_dim if i == 0 else hidden_dim, hidden_dim), nn.GELU(), nn.Dropout(dropout)]
-        layers.append(nn.Linear(hidden_dim if hidden_layers else in_dim, out_dim))
-        self.net = nn.Sequential(*layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
-class CosineHead(nn.Module):
-    """Sentence-BERT style: cos(u, v), mapped by a learnt affine map for classification."""
-
-    def __init__(self, affine: bool):
-        super().__init__()
-        self.affine = nn.Linear(1, 1) if affine else None
-        if self.affine is not None:
-            nn.init.constant_(self.affine.weight, 5.0)
-            nn.init.constant_(self.affine.bias, -2.5)
-
-    def forward(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cosine = F.cosine_similarity(u, v, dim=-1).unsqueeze(-1)
-        return self.affine(cosine) if self.affine is not None else cosine
+from stages.core.model.heads import CosineHead, MLPHead
+from stages.core.model.pooling import pool
+from stages.core.params import HeadParams
 
 
 class MultitaskModel(nn.Module):
-    """Outputs in loss space: SST logits (B, 5), QQP logit (B,), STS score (B,) on the target scale.
+    """Outputs in loss space, by task kind: classification (B, C) logits, binary (B,) logit, regression
+    (B,) score on the head's target scale.
 
     `arch` and `task_layers` (model.arch, model.task_layers) decide which encoders each head reads; see
     stages/core/model/architectures.py.
     """
 
-    def __init__(self, encoder: nn.Module, heads: HeadsParams, arch: str = "shared", task_layers: int = 0):
+    def __init__(self, encoder: nn.Module, tasks: dict[str, Task], heads: dict[str, HeadParams],
+                 arch: str = "shared", task_layers: int = 0):
         super().__init__()
-        self.encoders = TaskEncoders(encoder, arch, task_layers)
-        self.head_params = {"sst": heads.sst, "qqp": heads.qqp, "sts": heads.sts}
+        self.tasks = tasks
+        self.encoders = TaskEncoders(encoder, list(tasks), arch, task_layers)
+        self.head_params = heads
         dim = encoder.config.hidden_size
         width = self.encoders.width
-        self.heads = nn.ModuleDict({task: self._make_head(task, p, dim, width)
-                                    for task, p in self.head_params.items()})
+        self.heads = nn.ModuleDict({name: self._make_head(task, heads[name], dim, width)
+                                    for name, task in tasks.items()})
 
     @property
     def encoder(self) -> nn.Module:
@@ -88,11 +42,11 @@ class MultitaskModel(nn.Module):
         return self.encoders.for_task(task)[0].get_input_embeddings()
 
     @staticmethod
-    def _make_head(task: str, params: HeadParams, dim: int, width: int) -> nn.Module:
-        out_dim = TASKS[task].num_classes if TASKS[task].label_kind == "class" else 1
-        if isinstance(params, PairHeadParams) and params.encoding == "bi":
+    def _make_head(task: Task, params: HeadParams, dim: int, width: int) -> nn.Module:
+        out_dim = task.kind.output_size
+        if params.is_bi:
             if params.combine == "cosine":
-                return CosineHead(affine=task != "sts")
+                return CosineHead(affine=task.kind.cosine_affine)
             return MLPHead(4 * width * dim, dim, out_dim, params.hidden_layers, params.dropout)
         return MLPHead(width * dim, dim, out_dim, params.hidden_layers, params.dropout)
 
@@ -107,24 +61,13 @@ class MultitaskModel(nn.Module):
     def forward(self, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         params = self.head_params[task]
         head = self.heads[task]
-        if isinstance(params, PairHeadParams) and params.encoding == "bi":
+        if params.is_bi:
             u, v = self._embed_pair(task, batch, params.pooling)
             out = head(u, v) if isinstance(head, CosineHead) else head(torch.cat([u, v, (u - v).abs(), u * v], -1))
         else:
             out = head(self.embed(task, batch["input_ids"], batch["attention_mask"], params.pooling,
                                   batch.get("token_type_ids")))
-        if task == "sst":
-            return out
-        out = out.squeeze(-1)
-        if task == "sts":
-            return self._sts_output(out, params, isinstance(head, CosineHead))
-        return out
-
-    @staticmethod
-    def _sts_output(out: torch.Tensor, params, is_cosine: bool) -> torch.Tensor:
-        if params.target == "unit":
-            return out if is_cosine else torch.sigmoid(out)
-        return 5.0 * out if is_cosine else out
+        return self.tasks[task].kind.head_output(out, params, isinstance(head, CosineHead))
 
     def _embed_pair(self, task: str, batch, pooling: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Both sentences through the encoder in one call of 2B rows."""
@@ -137,24 +80,17 @@ class MultitaskModel(nn.Module):
         return pooled[: len(ids_1)], pooled[len(ids_1):]
 
     def loss(self, task: str, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Batch-mean loss: cross-entropy (SST), BCE with logits (QQP), MSE (STS); shapes (B,) vs (B,)."""
-        outputs = outputs.float()
-        if task == "sst":
-            return F.cross_entropy(outputs, labels.long())
-        if task == "qqp":
-            return F.binary_cross_entropy_with_logits(outputs, labels.float())
-        target = labels.float() / 5.0 if self.head_params["sts"].target == "unit" else labels.float()
-        return F.mse_loss(outputs, target)
+        """Batch-mean loss of the task's kind (cross-entropy, BCE with logits or MSE)."""
+        return self.tasks[task].kind.loss(outputs, labels, self.head_params[task])
 
     def predictions(self, task: str, outputs: torch.Tensor) -> torch.Tensor:
-        """User-facing: SST class probabilities (B, 5), QQP P(duplicate) (B,), STS score 0-5 (B,)."""
-        outputs = outputs.float()
-        if task == "sst":
-            return outputs.softmax(-1)
-        if task == "qqp":
-            return torch.sigmoid(outputs)
-        return outputs * 5.0 if self.head_params["sts"].target == "unit" else outputs
+        """User-facing, by kind: class probabilities (B, C), P(label 1) (B,), or the score (B,)."""
+        return self.tasks[task].kind.predictions(outputs, self.head_params[task])
+
+    def divergence(self, task: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """SMART's and the Bregman teacher's l_s between two outputs in loss space, per example."""
+        return self.tasks[task].kind.divergence(a, b)
 
     def encoding(self, task: str) -> str:
-        params = self.head_params[task]
-        return params.encoding if isinstance(params, PairHeadParams) else "cross"
+        """How the task's input is read: `bi` (each sentence alone) or `cross` (one sequence)."""
+        return "bi" if self.head_params[task].is_bi else "cross"

@@ -15,9 +15,14 @@ from safetensors.torch import load_file, save_file
 from stages.core import io
 from stages.core.model.architectures import SHARED_DIR
 from stages.core.model.multitask import MultitaskModel
+from stages.core.runtime import UserError
 
 CONFIG_FILE = "mtbert.json"
 HEADS_FILE = "heads.safetensors"
+
+
+class ModelFolderError(UserError, ValueError):
+    """A model folder is missing, incomplete, or was not written by this project's `train`."""
 
 
 def save_model(model: MultitaskModel, tokenizer, out_dir: Path, config: dict) -> None:
@@ -33,18 +38,35 @@ def load_model(model_dir: Path) -> tuple[MultitaskModel, dict]:
     """A trained model folder back as a MultitaskModel (in eval mode), with its saved config."""
     from transformers import AutoModel
 
-    from stages.core.params import HeadsParams, parse_section
+    from stages.core.data.tasks import tasks_from_params
+    from stages.core.params import ModelSpec, ParamsError, parse_section
 
     model_dir = Path(model_dir)
     config_path = model_dir / CONFIG_FILE
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} is missing; expected a model folder written by `train`")
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    # Only the heads and the arch shape the model; the other sections may have grown since it was saved.
-    heads = parse_section(HeadsParams, config["params"].get("heads"), "heads", source=str(config_path))
-    model_section = config["params"].get("model", {})
+    for required in (config_path, model_dir / HEADS_FILE, model_dir / SHARED_DIR / "config.json"):
+        if not required.is_file():
+            raise ModelFolderError(f"{required} is missing; expected a model folder written by `train` "
+                                   "(run `dvc repro train@<variant>`)")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        saved = config["params"]
+    except (ValueError, KeyError, TypeError):
+        saved = None
+    if not isinstance(saved, dict):
+        raise ModelFolderError(f"{config_path}: not an mtbert model config (expected JSON with a 'params' "
+                               "section, as `train` writes)")
+    if not saved.get("tasks"):
+        raise ModelFolderError(f"{config_path}: declares no tasks (a model folder from an older mtbert, "
+                               "before tasks were params? retrain it)")
+    # Only the tasks, heads and arch shape the model; the other sections may have grown since it was saved.
+    try:
+        spec = parse_section(ModelSpec, {"tasks": saved.get("tasks"), "heads": saved.get("heads")}, "",
+                             source=str(config_path))
+    except ParamsError as error:
+        raise ModelFolderError(f"{error} (a model folder from another version of mtbert? retrain it)") from None
     encoder = AutoModel.from_pretrained(model_dir / SHARED_DIR, attn_implementation="sdpa")
-    model = MultitaskModel(encoder, heads, model_section.get("arch", "shared"), model_section.get("task_layers", 0))
+    model = MultitaskModel(encoder, tasks_from_params(spec.tasks), spec.heads,
+                           saved.get("model", {}).get("arch", "shared"), saved.get("model", {}).get("task_layers", 0))
     model.encoders.load_extra(model_dir)
     model.heads.load_state_dict(load_file(str(model_dir / HEADS_FILE)))
     return model.eval(), config

@@ -11,7 +11,6 @@ import dataclasses
 
 import torch
 
-from stages.core.data.tasks import TASK_NAMES
 from stages.core.model.multitask import MultitaskModel
 from stages.core.params import SmartParams
 from stages.core.training.smart import EmaTeacher, RngReplay, Smart, dropout_off
@@ -29,7 +28,7 @@ class BatchLoss:
 class Objective:
     def __init__(self, model: MultitaskModel, params: SmartParams, device: torch.device, bf16: bool, seed: int):
         self.params, self.device, self.bf16 = params, device, bf16
-        uses_smart = any(params.task_weight(task) > 0 for task in TASK_NAMES)
+        uses_smart = any(params.task_weight(task) > 0 for task in model.tasks)
         self.smart = Smart(params, model.word_embeddings, device, seed) if uses_smart else None
         self.teacher = EmaTeacher(model, params.beta) if params.mu > 0 else None
 
@@ -59,7 +58,7 @@ class Objective:
                 result.total = result.total + self.params.task_weight(task) * smart_loss
                 result.smart_loss = smart_loss.item()
             if self.teacher is not None:
-                bregman = self.teacher.loss(task, forward, reference, replay, model.training)
+                bregman = self.teacher.loss(model, task, forward, reference, replay)
                 result.total = result.total + self.params.mu * bregman
                 result.bregman_loss = bregman.item()
 

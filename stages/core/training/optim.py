@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -26,31 +27,51 @@ def layer_of(name: str, num_layers: int) -> int:
     return int(match.group(1)) + 1 if match else num_layers + 1
 
 
-def lr_scale(name: str, num_layers: int, params: TrainParams) -> float:
-    """The factor on train.lr of one parameter of the model (encoders.* or heads.*)."""
-    if not name.startswith("encoders."):
-        return params.head_lr_mult
+@dataclasses.dataclass(frozen=True)
+class LayerwiseLR:
+    """How the learning rate of each parameter is set; both loops group their parameters by it.
+
+    An encoder parameter at depth d of L layers gets lr * layer_decay^(L - d) (the embeddings, d = 0,
+    also * embedding_lr_factor); a parameter outside the encoder(s) (a head) gets lr * head_lr_mult.
+    """
+    lr: float
+    weight_decay: float
+    layer_decay: float
+    head_lr_mult: float = 1.0
+    embedding_lr_factor: float = 1.0
+    encoder_prefix: str = "encoders."  # what the encoder parameters' names start with
+
+    @classmethod
+    def for_training(cls, params: TrainParams) -> LayerwiseLR:
+        return cls(params.lr, params.weight_decay, params.layer_decay, params.head_lr_mult,
+                   params.embedding_lr_factor)
+
+
+def lr_scale(name: str, num_layers: int, rule: LayerwiseLR) -> float:
+    """The factor on the base LR of one parameter."""
+    if not name.startswith(rule.encoder_prefix):
+        return rule.head_lr_mult
     depth = layer_of(name, num_layers)
-    scale = params.layer_decay ** max(num_layers - depth, 0)  # top layer (and pooler): 1
-    return scale * params.embedding_lr_factor if depth == 0 else scale
+    scale = rule.layer_decay ** max(num_layers - depth, 0)  # top layer (and pooler): 1
+    return scale * rule.embedding_lr_factor if depth == 0 else scale
 
 
 def no_weight_decay(name: str, parameter: nn.Parameter) -> bool:
     return parameter.ndim < 2 or "LayerNorm" in name or "layer_norm" in name
 
 
-def param_groups(model: nn.Module, num_layers: int, params: TrainParams) -> list[dict]:
+def param_groups(model: nn.Module, num_layers: int, rule: LayerwiseLR) -> list[dict]:
     """One AdamW group per (LR, weight decay) pair; frozen parameters (LR 0) get requires_grad=False."""
     groups: dict[tuple[float, float], dict] = {}
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:  # frozen by the arch (static)
             continue
-        scale = lr_scale(name, num_layers, params)
+        scale = lr_scale(name, num_layers, rule)
         if scale == 0.0:
             parameter.requires_grad_(False)
             continue
-        decay = 0.0 if no_weight_decay(name, parameter) else params.weight_decay
-        group = groups.setdefault((scale, decay), {"params": [], "names": [], "lr": params.lr * scale,
+        decay = 0.0 if no_weight_decay(name, parameter) else rule.weight_decay
+        group = groups.setdefault((scale, decay), {"params": [], "names": [], "lr": rule.lr * scale,
                                                    "weight_decay": decay})
         group["params"].append(parameter)
         group["names"].append(name)
@@ -65,11 +86,19 @@ def adamw(groups: list[dict], lr: float) -> torch.optim.AdamW:
 
 
 def make_optimizer(model: nn.Module, num_layers: int, params: TrainParams, total_steps: int):
-    groups = param_groups(model, num_layers, params)
-    optimizer = adamw([{k: v for k, v in g.items() if k != "names"} for g in groups], params.lr)
-    warmup = int(params.warmup_fraction * total_steps)
-    make_schedule = SCHEDULES[params.schedule]
-    if params.schedule == "constant":
+    """Fine-tuning's AdamW and schedule (train.*)."""
+    return layerwise_optimizer(model, num_layers, LayerwiseLR.for_training(params), params.schedule,
+                               params.warmup_fraction, total_steps)
+
+
+def layerwise_optimizer(model: nn.Module, num_layers: int, rule: LayerwiseLR, schedule: str,
+                        warmup_fraction: float, total_steps: int):
+    """AdamW over the layer-wise groups, and a warmup-then-`schedule` LR scheduler."""
+    groups = param_groups(model, num_layers, rule)
+    optimizer = adamw([{k: v for k, v in g.items() if k != "names"} for g in groups], rule.lr)
+    warmup = int(warmup_fraction * total_steps)
+    make_schedule = SCHEDULES[schedule]
+    if schedule == "constant":
         scheduler = make_schedule(optimizer, num_warmup_steps=warmup)
     else:
         scheduler = make_schedule(optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)

@@ -4,8 +4,9 @@ SMART adds lambda * mean_b max_{||delta|| <= eps} l_s(f(x + delta), f(x)), where
 word-embedding lookup (position and token-type embeddings and LayerNorm come after, so they are added
 once, to the perturbed words). delta starts as N(0, sigma^2), takes K ascent steps of size eta along the
 normalised gradient of l_s with respect to delta alone, and is projected onto the eps-ball around each
-token's embedding after every step. l_s is the symmetric KL for classifiers (softmax for SST, Bernoulli
-for QQP) and the squared error for STS, reduced per example and averaged over the batch.
+token's embedding after every step. l_s is the task kind's divergence (stages/core/data/kinds.py): the
+symmetric KL for classifiers (softmax for classification, Bernoulli for binary) and the squared error
+for regression, reduced per example and averaged over the batch.
 
 The Bregman term adds mu * l_s(f(x; theta), f(x; theta_teacher)), the teacher an exponential moving
 average of the weights: theta_teacher <- beta * theta_teacher + (1 - beta) * theta after every update.
@@ -23,40 +24,12 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from stages.core.params import SmartParams
 
 Forward = Callable[[nn.Module], torch.Tensor]  # runs one model on the current batch, in loss space
-
-
-# --- divergences, per example -------------------------------------------------------------------
-def symmetric_kl_softmax(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """KL(p||q) + KL(q||p) = sum_c (p_c - q_c)(log p_c - log q_c) for p, q = softmax of (B, C) logits."""
-    log_p, log_q = F.log_softmax(a.float(), -1), F.log_softmax(b.float(), -1)
-    return ((log_p.exp() - log_q.exp()) * (log_p - log_q)).sum(-1)
-
-
-def symmetric_kl_bernoulli(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """KL + reverse KL of Bernoulli(sigmoid(a)) and Bernoulli(sigmoid(b)); it reduces to (p - q)(a - b)."""
-    a, b = a.float(), b.float()
-    return (torch.sigmoid(a) - torch.sigmoid(b)) * (a - b)
-
-
-def squared_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if a.shape != b.shape:
-        raise ValueError(f"squared error of shapes {tuple(a.shape)} and {tuple(b.shape)}: they must match")
-    return (a.float() - b.float()) ** 2
-
-
-DIVERGENCES = {"sst": symmetric_kl_softmax, "qqp": symmetric_kl_bernoulli, "sts": squared_error}
-
-
-def divergence(task: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """l_s of the task between two outputs in loss space, one value per example: (B,)."""
-    return DIVERGENCES[task](a, b)
 
 
 # --- the perturbation ---------------------------------------------------------------------------
@@ -210,14 +183,14 @@ class Smart:
             perturbation.deltas = [delta.detach().requires_grad_() for delta in perturbation.deltas]
             with perturbation.applied(make_delta), replay.replayed(), frozen(model):
                 perturbed = forward(model)
-            ascent_loss = divergence(task, perturbed, reference.detach()).mean()
+            ascent_loss = model.divergence(task, perturbed, reference.detach()).mean()
             grads = torch.autograd.grad(ascent_loss, perturbation.deltas)  # delta only, no parameter grads
             perturbation.deltas = [self._ascend(d, g, m) for d, g, m in
                                    zip(perturbation.deltas, grads, perturbation.token_masks, strict=True)]
             make_delta = None
         with perturbation.applied(make_delta), replay.replayed():
             perturbed = forward(model)
-        return divergence(task, perturbed, reference).mean(), perturbation.relative_size()
+        return model.divergence(task, perturbed, reference).mean(), perturbation.relative_size()
 
     def _ascend(self, delta: torch.Tensor, grad: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         stepped = delta.detach() + self.params.eta * normalise(grad, self.params.norm)
@@ -250,13 +223,13 @@ class EmaTeacher:
     def update(self, student: nn.Module) -> None:
         self.averaged.update_parameters(student)
 
-    def loss(self, task: str, forward: Forward, student_outputs: torch.Tensor, replay: RngReplay,
-             training: bool) -> torch.Tensor:
+    def loss(self, student: nn.Module, task: str, forward: Forward, student_outputs: torch.Tensor,
+             replay: RngReplay) -> torch.Tensor:
         """Batch-mean l_s(f(x; theta), f(x; theta_teacher)), the teacher seeing the student's dropout masks."""
-        self.model.train(training)
+        self.model.train(student.training)
         with torch.no_grad(), replay.replayed():
             teacher_outputs = forward(self.model)
-        return divergence(task, student_outputs, teacher_outputs).mean()
+        return student.divergence(task, student_outputs, teacher_outputs).mean()
 
     def state_dict(self) -> dict:
         return self.averaged.state_dict()
