@@ -30,7 +30,7 @@ def test_suite_writes_every_figure(tmp_path, tiny_backbone, tiny_tokenized):
     figures = json.loads(out.read_text())
     assert set(figures["train"]) == {"naive", "default", "default_bf16"}
     assert all(figures["train"][name]["examples"] == 8 for name in figures["train"])  # 2 steps of 4
-    assert figures["train_speedup"]["default"] > 0 and figures["smart_ratio"] > 0
+    assert figures["train_speedup"]["default"] > 0 and figures["smart_ratio"] > 0 and figures["smart_random_ratio"] > 0
     assert figures["predict"]["sentences_per_second"] > 0 and figures["tokenize_seconds"] > 0
     assert 0 < figures["peak_rss_gib"] < 24
     assert "1. train speed-up default / naive" in result.output

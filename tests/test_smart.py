@@ -9,10 +9,10 @@ import torch
 
 from stages.core.data.kinds import Binary, Classification, Regression
 from stages.core.model.multitask import MultitaskModel
-from stages.core.params import check_heads, load_params
+from stages.core.params import ParamsError, check_heads, load_params
 from stages.core.training.objective import Objective
 from stages.core.training.resume import load_checkpoint, save_checkpoint
-from stages.core.training.smart import EmaTeacher, RngReplay, Smart, WordPerturbation, project
+from stages.core.training.smart import EmaTeacher, Perturbation, RngReplay, Smart, project, token_norms
 from tests.conftest import REPO_ROOT, TASKS
 
 # SMART's l_s of each kind (stages/core/data/kinds.py): the symmetric KLs and the squared error
@@ -30,6 +30,15 @@ def params():
 
 def smart_params(params, **changes):
     return dataclasses.replace(params.smart, **{"lambda_": 1.0, **changes})
+
+
+def words(model):
+    """A Perturbation of the word-embedding lookup of the model's shared encoder."""
+    return Perturbation(*model.perturbation_site("sst", "words"))
+
+
+def make_smart(model, p):
+    return Smart(p, lambda task: model.perturbation_site(task, p.perturb), CPU, seed=0)
 
 
 @pytest.fixture
@@ -94,21 +103,23 @@ def test_the_model_takes_each_tasks_divergence_from_its_kind(model):
 
 # --- projection -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("norm", ["inf", "l2"])
-def test_projection_puts_every_token_inside_the_epsilon_ball(norm):
+def test_projection_puts_every_token_inside_its_own_ball(norm):
     torch.manual_seed(0)
     delta = torch.randn(4, 7, 16) * torch.logspace(-4, 1, 7).view(1, 7, 1)  # tokens inside and outside
-    projected = project(delta, norm, 0.01)
-    sizes = projected.abs().amax(-1) if norm == "inf" else projected.norm(dim=-1)
-    assert (sizes <= 0.01 * (1 + 1e-6)).all()
-    inside = (delta.abs().amax(-1) if norm == "inf" else delta.norm(dim=-1)) <= 0.01
+    bound = torch.rand(4, 7, 1) * 0.02 + 0.005  # one radius per token
+    projected = project(delta, norm, bound)
+    assert (token_norms(projected, norm) <= bound * (1 + 1e-6)).all()
+    inside = (token_norms(delta, norm) <= bound).squeeze(-1)
     assert inside.any() and torch.equal(projected[inside], delta[inside])  # already inside: untouched
+    outside = ~inside
+    torch.testing.assert_close(token_norms(projected, norm)[outside], bound[outside], rtol=1e-5, atol=0)
 
 
 # --- the perturbation -----------------------------------------------------------------------------
 def test_zero_delta_gives_exactly_the_clean_outputs_with_dropout_off(model, batches):
     model.eval()
     clean = model("sst", batches["sst"])
-    with WordPerturbation(model.encoder.get_input_embeddings()).applied(lambda e, m: torch.zeros_like(e)):
+    with words(model).applied(lambda e, m: torch.zeros_like(e)):
         perturbed = model("sst", batches["sst"])
     assert torch.equal(perturbed, clean)
 
@@ -116,7 +127,7 @@ def test_zero_delta_gives_exactly_the_clean_outputs_with_dropout_off(model, batc
 def test_replayed_dropout_gives_exactly_the_clean_outputs_in_training_mode(model, batches):
     replay = RngReplay(CPU)
     clean = model("qqp", batches["qqp"])
-    with WordPerturbation(model.encoder.get_input_embeddings()).applied(lambda e, m: torch.zeros_like(e)), \
+    with words(model).applied(lambda e, m: torch.zeros_like(e)), \
             replay.replayed():
         perturbed = model("qqp", batches["qqp"])
     assert torch.equal(perturbed, clean)
@@ -130,7 +141,7 @@ def test_delta_is_added_to_word_embeddings_before_position_type_and_layernorm(mo
     types = batches["qqp"]["token_type_ids"]
     torch.manual_seed(3)
     delta = torch.randn(*ids.shape, embeddings.word_embeddings.embedding_dim) * 0.1
-    with WordPerturbation(embeddings.word_embeddings).applied(lambda e, m: delta):
+    with Perturbation(embeddings.word_embeddings, 0).applied(lambda e, m: delta):
         perturbed = embeddings(input_ids=ids, token_type_ids=types)
     positions = embeddings.position_embeddings(torch.arange(ids.shape[1])).unsqueeze(0)
     expected = embeddings.LayerNorm(embeddings.word_embeddings(ids) + delta + positions
@@ -142,12 +153,12 @@ def test_bi_encoder_perturbs_each_sentence(model, params, batches):
     heads = {**params.heads, "sts": dataclasses.replace(params.heads["sts"], encoding="bi", pooling="mean")}
     check_heads(params.tasks, heads)
     bi_model = MultitaskModel(model.encoder, TASKS, heads).train()
-    smart = Smart(smart_params(params), bi_model.word_embeddings, CPU, seed=0)
+    smart = make_smart(bi_model, smart_params(params))
     batch = batches["sts_bi"]
     replay = RngReplay(CPU)
-    loss, ratio = smart.loss(bi_model, "sts", lambda m: m("sts", batch), bi_model("sts", batch), replay)
-    assert loss.shape == () and loss.item() > 0 and 0 < ratio
-    perturbation = WordPerturbation(bi_model.encoder.get_input_embeddings())
+    loss, sizes = smart.loss(bi_model, "sts", lambda m: m("sts", batch), bi_model("sts", batch), replay)
+    assert loss.shape == () and loss.item() > 0 and 0 < sizes["delta_ratio"]
+    perturbation = words(bi_model)
     with perturbation.applied(lambda e, m: torch.zeros_like(e)):
         bi_model("sts", batch)
     assert perturbation.deltas[0].shape[0] == 2 * len(batch["labels"])  # both sentences of every pair
@@ -156,19 +167,18 @@ def test_bi_encoder_perturbs_each_sentence(model, params, batches):
 @pytest.mark.parametrize("norm", ["inf", "l2"])
 def test_ascent_finds_a_worse_perturbation_than_random_noise_of_the_same_size(model, params, batches, norm):
     model.eval()
-    p = smart_params(params, norm=norm, epsilon=1e-2, eta=1e-2, sigma=1e-4)
-    smart = Smart(p, model.word_embeddings, CPU, seed=0)
+    p = smart_params(params, norm=norm, radius=0.05)
+    smart = make_smart(model, p)
     clean = model("sst", batches["sst"])
-    adversarial, ratio = smart.loss(model, "sst", lambda m: m("sst", batches["sst"]), clean, RngReplay(CPU))
-    torch.manual_seed(5)
-    random = lambda e, m: project(torch.randn_like(e).sign() * 1e-2 * m, norm, 1e-2)  # noqa: E731
-    with WordPerturbation(model.encoder.get_input_embeddings()).applied(random):
+    adversarial, _ = smart.loss(model, "sst", lambda m: m("sst", batches["sst"]), clean, RngReplay(CPU))
+    random = make_smart(model, dataclasses.replace(p, mode="random"))
+    with words(model).applied(random._random_delta):
         noise = model.divergence("sst", model("sst", batches["sst"]), clean).mean()
     assert adversarial.item() > 2 * noise.item()
 
 
 def test_ascent_takes_no_parameter_gradients_but_the_final_term_does(model, params, batches):
-    smart = Smart(smart_params(params, steps=2), model.word_embeddings, CPU, seed=0)
+    smart = make_smart(model, smart_params(params, steps=2))
     clean = model("sst", batches["sst"])
     loss, _ = smart.loss(model, "sst", lambda m: m("sst", batches["sst"]), clean, RngReplay(CPU))
     assert all(p.grad is None for p in model.parameters())
@@ -267,8 +277,88 @@ def test_teacher_and_noise_generator_round_trip_through_a_checkpoint(model, para
 
 @pytest.mark.parametrize("dropout", ["same", "off"])
 def test_zero_perturbation_gives_zero_smart_loss_under_either_dropout_choice(model, params, batches, dropout):
-    objective = Objective(model, smart_params(params, dropout=dropout, sigma=0.0, steps=0, mu=1.0), CPU,
+    objective = Objective(model, smart_params(params, dropout=dropout, radius=0.0, mu=1.0), CPU,
                           bf16=False, seed=0)
     result = objective(model, "qqp", batches["qqp"])
     assert result.smart_loss == 0.0 and result.bregman_loss == 0.0
     assert result.total.item() > 0 and model.training  # the task loss remains; training mode is restored
+
+
+# --- the radius: a size a user can read -----------------------------------------------------------
+@pytest.mark.parametrize("perturb", ["words", "embeddings"])
+@pytest.mark.parametrize("mode", ["random", "adversarial"])
+@pytest.mark.parametrize("norm", ["inf", "l2"])
+def test_logged_relative_size_is_the_configured_radius(model, params, batches, norm, mode, perturb):
+    """random: delta lies on the edge of the ball; adversarial with eta = radius: one step from noise of
+    relative size sigma reaches it up to that noise (sigma = 1e-3 here), so within 0.2%."""
+    p = smart_params(params, norm=norm, mode=mode, perturb=perturb, radius=0.3, eta=None, sigma=1e-3)
+    smart = make_smart(model, p)
+    for task in ("sst", "qqp"):
+        clean = model(task, batches[task])
+        _, sizes = smart.loss(model, task, lambda m, t=task: m(t, batches[t]), clean, RngReplay(CPU))
+        assert sizes["delta_ratio"] == pytest.approx(0.3, rel=2e-3 if mode == "adversarial" else 1e-5)
+        assert sizes["delta_l2_ratio"] > 0
+
+
+@pytest.mark.parametrize("mode", ["random", "adversarial"])
+def test_radius_zero_gives_exactly_the_plain_gradients(model, params, batches, mode):
+    def gradients(p, task):
+        model.zero_grad()
+        torch.manual_seed(0)
+        objective = Objective(model, p, CPU, bf16=False, seed=0)
+        objective(model, task, batches[task]).total.backward()
+        return torch.cat([q.grad.flatten() for q in model.parameters() if q.grad is not None])
+
+    for task in ("sst", "qqp"):
+        plain = gradients(smart_params(params, lambda_=0.0), task)
+        zero_radius = gradients(smart_params(params, lambda_=10.0, radius=0.0, mode=mode), task)
+        assert torch.equal(plain, zero_radius)
+
+
+def count_encoder_passes(model) -> list[int]:
+    calls = [0]
+    model.encoder.register_forward_hook(lambda *args: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize(("mode", "steps", "passes"), [("random", 1, 2), ("adversarial", 1, 3), ("adversarial", 2, 4)])
+def test_random_mode_runs_no_ascent_pass(model, params, batches, mode, steps, passes):
+    """Clean pass + K ascent passes + the adversarial pass; random mode has no ascent pass."""
+    objective = Objective(model, smart_params(params, mode=mode, steps=steps, radius=0.1), CPU, bf16=False, seed=0)
+    calls = count_encoder_passes(model)
+    objective(model, "sst", batches["sst"]).total.backward()
+    assert calls[0] == passes
+
+
+@pytest.mark.parametrize("perturb", ["words", "embeddings"])
+def test_the_chosen_tensor_is_perturbed_once(model, batches, perturb):
+    """delta reaches the encoder's input once: added to the chosen site's output and to nothing else."""
+    model.eval()
+    embeddings = model.encoder.embeddings
+    batch = batches["qqp"]
+    ids, types = batch["input_ids"], batch["token_type_ids"]
+    torch.manual_seed(3)
+    delta = torch.randn(*ids.shape, embeddings.word_embeddings.embedding_dim) * 0.1
+    site, pad = model.perturbation_site("qqp", perturb)
+    seen = []
+    model.encoder.encoder.register_forward_pre_hook(lambda module, args, kwargs: seen.append(args[0]),
+                                                    with_kwargs=True)
+    perturbation = Perturbation(site, pad)
+    with perturbation.applied(lambda e, m: delta * m):
+        model("qqp", batch)
+    clean_words = embeddings.word_embeddings(ids)
+    positions = embeddings.position_embeddings(torch.arange(ids.shape[1])).unsqueeze(0)
+    others = positions + embeddings.token_type_embeddings(types)
+    mask = perturbation.token_masks[0]
+    if perturb == "embeddings":
+        expected = embeddings.LayerNorm(clean_words + others) + delta * mask  # after LayerNorm, added once
+    else:
+        expected = embeddings.LayerNorm(clean_words + delta * mask + others)
+    assert len(seen) == 1 and len(perturbation.deltas) == 1
+    torch.testing.assert_close(seen[0], expected)
+
+
+@pytest.mark.parametrize("changes", [{"eta": 0.01, "radius": 0.1}, {"eta": 0.02, "steps": 2, "radius": 0.05}])
+def test_an_ascent_that_never_reaches_the_radius_is_refused(params, changes):
+    with pytest.raises(ParamsError, match="never reach the radius"):
+        dataclasses.replace(params.smart, **changes)

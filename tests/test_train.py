@@ -111,7 +111,7 @@ def test_smart_and_teacher_resume_after_a_crash_like_an_uninterrupted_run(tmp_pa
                                                                           monkeypatch):
     params_file = make_params(tmp_path, tiny_backbone, Path("unused"), heads={"sts": {"encoding": "bi"}},
                               smart={"lambda": 1.0, "task_lambda": {"qqp": 0.0}, "mu": 1.0, "beta": 0.9,
-                                     "epsilon": 1.0e-2, "eta": 1.0e-2})
+                                     "radius": 0.1})
     params = variant_params(params_file, "base")
 
     def paths(name: str) -> Paths:
@@ -138,7 +138,8 @@ def test_smart_and_teacher_resume_after_a_crash_like_an_uninterrupted_run(tmp_pa
         summary.pop("speed")
     assert resumed == uninterrupted
     regularisers = uninterrupted["epochs"][0]["regularisers"]
-    assert set(regularisers) == {"sst/smart_loss", "sst/delta_ratio", "sts/smart_loss", "sts/delta_ratio",
+    assert set(regularisers) == {"sst/smart_loss", "sst/delta_ratio", "sst/delta_l2_ratio",
+                                 "sts/smart_loss", "sts/delta_ratio", "sts/delta_l2_ratio",
                                  "sst/bregman_loss", "qqp/bregman_loss", "sts/bregman_loss"}
     assert 0 < regularisers["sst/delta_ratio"] < 1
     heads_a = load_file(str(tmp_path / "a" / "model" / "heads.safetensors"))

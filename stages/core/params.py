@@ -230,17 +230,34 @@ class TrainParams:
 
 @dataclasses.dataclass(frozen=True)
 class SmartParams:
-    """SMART adversarial regularisation and the Bregman proximal-point teacher (Jiang et al. 2020)."""
+    """SMART adversarial regularisation and the Bregman proximal-point teacher (Jiang et al. 2020).
+
+    Sizes are relative to each token's own vector x_t at the perturbed site, in `norm`:
+    ||delta_t|| <= radius * ||x_t||, so a radius reads as a fraction of the input (0.1 = 10%).
+    """
     lambda_: float = _bounded(ge=0.0, key="lambda")  # weight of the adversarial term; 0 turns SMART off
     task_lambda: dict[str, float | None] = _bounded(ge=0.0)  # per task: null inherits lambda, 0 turns it off
-    epsilon: float = _bounded(gt=0.0)  # radius of the ball around each token's word embedding
-    sigma: float = _bounded(ge=0.0)  # std of the initial noise
-    eta: float = _bounded(gt=0.0)  # ascent step size
-    steps: int = _bounded(ge=0)  # K ascent steps
+    mode: Literal["adversarial", "random"]  # K ascent steps on delta | noise of size radius, no ascent pass
+    perturb: Literal["words", "embeddings"]  # the word-embedding lookup | the embedding output after LayerNorm
+    radius: float = _bounded(ge=0.0)  # ||delta_t|| <= radius * ||x_t||, per token
     norm: Literal["inf", "l2"]
+    eta: float | None = _bounded(gt=0.0)  # adversarial: ascent step, relative like radius; null = radius
+    sigma: float = _bounded(gt=0.0)  # adversarial: relative size of the starting noise (its gradient is 0 at 0)
+    steps: int = _bounded(ge=1)  # adversarial: K ascent steps
     dropout: Literal["same", "off"]  # the regularisers' pairs: same dropout masks, or dropout off in both
     mu: float = _bounded(ge=0.0)  # weight of the Bregman term; 0 turns the teacher off
     beta: float = _bounded(ge=0.0, lt=1.0)  # teacher momentum
+
+    def __post_init__(self):
+        # With K steps of eta from (almost) zero, |delta| <= K * eta: a smaller total makes the radius meaningless.
+        if self.mode == "adversarial" and self.eta is not None and self.eta * self.steps < self.radius:
+            raise ParamsError(f"eta: {self.steps} step(s) of {self.eta} never reach the radius {self.radius}, "
+                              "so the radius would change nothing; set eta: null (= radius) or raise it")
+
+    @property
+    def step_size(self) -> float:
+        """The relative ascent step: eta, or the radius when eta is null (K = 1 then reaches the ball's edge)."""
+        return self.radius if self.eta is None else self.eta
 
     def task_weight(self, task: str) -> float:
         override = self.task_lambda[task]

@@ -37,9 +37,12 @@ class MultitaskModel(nn.Module):
         """The shared encoder (for cerbertus and independent: the first task's)."""
         return self.encoders.shared
 
-    def word_embeddings(self, task: str) -> nn.Embedding:
-        """Where SMART perturbs the task's input: the word-embedding lookup of its first encoder."""
-        return self.encoders.for_task(task)[0].get_input_embeddings()
+    def perturbation_site(self, task: str, where: str) -> tuple[nn.Module, int | None]:
+        """Where SMART perturbs the task's input, in its first encoder: the word-embedding lookup (`words`)
+        or the whole embeddings module, after LayerNorm (`embeddings`); and the padding token id."""
+        encoder = self.encoders.for_task(task)[0]
+        site = encoder.get_input_embeddings() if where == "words" else encoder.embeddings
+        return site, encoder.config.pad_token_id
 
     @staticmethod
     def _make_head(task: Task, params: HeadParams, dim: int, width: int) -> nn.Module:

@@ -43,7 +43,8 @@ from stages.core.training.run import Paths, ResumableRun
 
 log = logging.getLogger("train")
 
-REGULARISERS = ("smart_loss", "bregman_loss", "delta_ratio")  # per-batch figures of BatchLoss, averaged per epoch
+# Per-batch figures of BatchLoss, averaged per epoch.
+REGULARISERS = ("smart_loss", "bregman_loss", "delta_ratio", "delta_l2_ratio")
 
 
 class Trainer(ResumableRun):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 
@@ -22,14 +23,16 @@ class BatchLoss:
     task_loss: float
     smart_loss: float | None = None  # the batch-mean divergence, before lambda
     bregman_loss: float | None = None  # before mu
-    delta_ratio: float | None = None  # ||delta|| / ||word embeddings||
+    delta_ratio: float | None = None  # mean over tokens of ||delta_t|| / ||x_t||, in smart.norm
+    delta_l2_ratio: float | None = None  # the same in the 2-norm, comparable across norms
 
 
 class Objective:
     def __init__(self, model: MultitaskModel, params: SmartParams, device: torch.device, bf16: bool, seed: int):
         self.params, self.device, self.bf16 = params, device, bf16
         uses_smart = any(params.task_weight(task) > 0 for task in model.tasks)
-        self.smart = Smart(params, model.word_embeddings, device, seed) if uses_smart else None
+        site = functools.partial(model.perturbation_site, where=params.perturb)
+        self.smart = Smart(params, site, device, seed) if uses_smart else None
         self.teacher = EmaTeacher(model, params.beta) if params.mu > 0 else None
 
     def forward(self, model: torch.nn.Module, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -54,7 +57,8 @@ class Objective:
         with self._regulariser_mode(model):
             reference = outputs if self.params.dropout == "same" else forward(model)
             if smart_on:
-                smart_loss, result.delta_ratio = self.smart.loss(model, task, forward, reference, replay)
+                smart_loss, sizes = self.smart.loss(model, task, forward, reference, replay)
+                result.delta_ratio, result.delta_l2_ratio = sizes["delta_ratio"], sizes["delta_l2_ratio"]
                 result.total = result.total + self.params.task_weight(task) * smart_loss
                 result.smart_loss = smart_loss.item()
             if self.teacher is not None:

@@ -1,12 +1,22 @@
 """SMART adversarial regularisation and the Bregman proximal-point teacher (Jiang et al. 2020).
 
-SMART adds lambda * mean_b max_{||delta|| <= eps} l_s(f(x + delta), f(x)), where x is the output of the
-word-embedding lookup (position and token-type embeddings and LayerNorm come after, so they are added
-once, to the perturbed words). delta starts as N(0, sigma^2), takes K ascent steps of size eta along the
-normalised gradient of l_s with respect to delta alone, and is projected onto the eps-ball around each
-token's embedding after every step. l_s is the task kind's divergence (stages/core/data/kinds.py): the
-symmetric KL for classifiers (softmax for classification, Bernoulli for binary) and the squared error
-for regression, reduced per example and averaged over the batch.
+SMART adds lambda * mean_b max_{delta in B} l_s(f(x + delta), f(x)), where x is the input of the encoder
+at the perturbed site (`smart.perturb`): the word-embedding lookup (`words`; position and token-type
+embeddings and LayerNorm come after, so they are added once, to the perturbed words) or the embedding
+output after LayerNorm (`embeddings`, what the public SMART code perturbs). B bounds every token t on
+its own: ||delta_t|| <= radius * ||x_t|| in `norm`, so the radius is a fraction of the input that reads
+the same on any backbone.
+
+- `adversarial`: delta starts as noise of relative size sigma, takes K ascent steps of relative size
+  eta (null: eta = radius, so one step reaches the edge of B) along the normalised gradient of l_s with
+  respect to delta alone, and is projected onto B after every step.
+- `random`: delta is Gaussian noise scaled to the edge of B, with no ascent pass. This is what the public
+  code (smart-pytorch, MT-DNN) computes in effect: its one ascent step moves the noise by ~1e-9 before it
+  is rescaled to unit inf-norm per token. It costs one extra forward and backward pass.
+
+l_s is the task kind's divergence (stages/core/data/kinds.py): the symmetric KL for classifiers (softmax
+for classification, Bernoulli for binary) and the squared error for regression, reduced per example and
+averaged over the batch.
 
 The Bregman term adds mu * l_s(f(x; theta), f(x; theta_teacher)), the teacher an exponential moving
 average of the weights: theta_teacher <- beta * theta_teacher + (1 - beta) * theta after every update.
@@ -15,7 +25,7 @@ Dropout (smart.dropout): `same` replays the torch RNG so that every extra pass o
 pass, the adversarial pass, the teacher) draws the dropout masks the clean pass drew; with delta = 0 the
 perturbed outputs then equal the clean ones exactly. `off` compares passes without dropout instead, at the
 cost of one more forward and backward pass. Either way the global RNG stream after a step is the one a
-run without the regularisers would see; the initial noise comes from SMART's own generator.
+run without the regularisers would see; the noise comes from SMART's own generator.
 """
 
 from __future__ import annotations
@@ -33,73 +43,76 @@ Forward = Callable[[nn.Module], torch.Tensor]  # runs one model on the current b
 
 
 # --- the perturbation ---------------------------------------------------------------------------
-def project(delta: torch.Tensor, norm: str, epsilon: float) -> torch.Tensor:
-    """Onto the eps-ball of each token's embedding vector (the last dimension)."""
+def token_norms(x: torch.Tensor, norm: str) -> torch.Tensor:
+    """The norm of every token's vector (the last dimension), kept as a (..., 1) column."""
+    x = x.float()
+    return x.abs().amax(-1, keepdim=True) if norm == "inf" else x.norm(dim=-1, keepdim=True)
+
+
+def project(delta: torch.Tensor, norm: str, bound: torch.Tensor) -> torch.Tensor:
+    """Onto the ball of radius `bound` (one per token, (..., 1)) around each token's vector."""
     if norm == "inf":
-        return delta.clamp(-epsilon, epsilon)
-    lengths = delta.norm(dim=-1, keepdim=True)
-    return delta * (epsilon / lengths.clamp_min(epsilon)).clamp(max=1.0)
+        return torch.maximum(torch.minimum(delta, bound), -bound)
+    lengths = token_norms(delta, norm)
+    return delta * (bound / lengths.clamp_min(torch.finfo(lengths.dtype).tiny)).clamp(max=1.0)
 
 
 def normalise(grad: torch.Tensor, norm: str) -> torch.Tensor:
-    """The gradient scaled to unit norm per token (zero where it is zero, e.g. at padding)."""
-    if norm == "inf":
-        size = grad.abs().amax(-1, keepdim=True)
-    else:
-        size = grad.norm(dim=-1, keepdim=True)
-    return grad / size.clamp_min(torch.finfo(grad.dtype).tiny)
+    """Scaled to unit norm per token (zero where it is zero, e.g. at padding)."""
+    return grad / token_norms(grad, norm).clamp_min(torch.finfo(torch.float32).tiny)
 
 
-class WordPerturbation:
-    """While applied, adds delta to the output of the word-embedding lookup.
+class Perturbation:
+    """While applied, adds delta to the output of `site` (the word lookup or the embeddings module).
 
     An encoder may be called more than once per forward pass, so there is one delta per call, in call
-    order. The deltas are created on the first pass by `make_delta(lookup, token_mask)`; padding
+    order. The deltas are created on the first pass by `make_delta(clean_output, token_mask)`; padding
     positions get no perturbation.
     """
 
-    def __init__(self, word_embeddings: nn.Embedding):
-        self.word_embeddings = word_embeddings
+    def __init__(self, site: nn.Module, pad_token_id: int | None):
+        self.site, self.pad_token_id = site, pad_token_id
         self.deltas: list[torch.Tensor] = []
         self.token_masks: list[torch.Tensor] = []
-        self.lookups: list[torch.Tensor] = []  # the clean lookups of the last pass, detached
+        self.clean: list[torch.Tensor] = []  # the clean outputs of the last pass, detached
 
     def _token_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
-        pad = self.word_embeddings.padding_idx
-        mask = torch.ones_like(input_ids, dtype=torch.bool) if pad is None else input_ids != pad
-        return mask.unsqueeze(-1)
+        if self.pad_token_id is None:
+            return torch.ones_like(input_ids, dtype=torch.bool).unsqueeze(-1)
+        return (input_ids != self.pad_token_id).unsqueeze(-1)
 
     @contextlib.contextmanager
     def applied(self, make_delta: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
         calls = 0
-        self.lookups = []
+        self.clean = []
 
-        def add_delta(module, inputs, output):
+        def add_delta(module, args, kwargs, output):
             nonlocal calls
             if calls == len(self.deltas):
                 if make_delta is None:
                     raise RuntimeError("the encoder was called more often than when the deltas were made")
-                mask = self._token_mask(inputs[0])
+                mask = self._token_mask(args[0] if args else kwargs["input_ids"])
                 self.token_masks.append(mask)
                 self.deltas.append(make_delta(output.detach(), mask))
-            self.lookups.append(output.detach())
+            self.clean.append(output.detach())
             delta = self.deltas[calls]
             calls += 1
             return output + delta.to(output.dtype)
 
-        handle = self.word_embeddings.register_forward_hook(add_delta)
+        handle = self.site.register_forward_hook(add_delta, with_kwargs=True)
         try:
             yield self
         finally:
             handle.remove()
 
-    def relative_size(self) -> float:
-        """||delta|| / ||word embeddings|| over the real tokens of the last pass."""
-        def squared_size(tensors: list[torch.Tensor]) -> float:
-            return sum(float((t * m).float().pow(2).sum()) for t, m in zip(tensors, self.token_masks, strict=True))
-
-        lookup_sq = squared_size(self.lookups)
-        return (squared_size(self.deltas) / lookup_sq) ** 0.5 if lookup_sq > 0 else 0.0
+    def relative_size(self, norm: str) -> float:
+        """Mean over the real tokens of the last pass of ||delta_t|| / ||x_t||, in `norm`."""
+        ratios, tokens = 0.0, 0
+        for delta, clean, mask in zip(self.deltas, self.clean, self.token_masks, strict=True):
+            ratio = token_norms(delta, norm) / token_norms(clean, norm).clamp_min(torch.finfo(torch.float32).tiny)
+            ratios += float((ratio * mask).sum())
+            tokens += int(mask.sum())
+        return ratios / tokens if tokens else 0.0
 
 
 # --- dropout masks ------------------------------------------------------------------------------
@@ -157,44 +170,56 @@ def frozen(model: nn.Module) -> Iterator[None]:
 class Smart:
     """The SMART term of one batch; see the module docstring for the method."""
 
-    def __init__(self, params: SmartParams, word_embeddings: Callable[[str], nn.Embedding], device: torch.device,
-                 seed: int):
+    def __init__(self, params: SmartParams, site: Callable[[str], tuple[nn.Module, int | None]],
+                 device: torch.device, seed: int):
         self.params = params
-        self.word_embeddings = word_embeddings  # task -> the lookup its input goes through
+        self.site = site  # task -> (the module whose output is perturbed, the padding token id)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
     def enabled(self, task: str) -> bool:
         return self.params.task_weight(task) > 0
 
-    def _initial_noise(self, lookup: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        noise = torch.randn(lookup.shape, generator=self.generator, device=lookup.device, dtype=torch.float32)
-        noise = noise * self.params.sigma * mask
-        if self.params.steps == 0:
-            return project(noise, self.params.norm, self.params.epsilon)
-        return noise.requires_grad_()  # the first ascent step differentiates with respect to it
+    def _noise_of_size(self, relative: float, clean: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Gaussian noise, rescaled per token to `relative` * ||x_t|| in `norm` (zero at padding)."""
+        noise = torch.randn(clean.shape, generator=self.generator, device=clean.device, dtype=torch.float32)
+        bound = relative * token_norms(clean, self.params.norm)
+        return normalise(noise, self.params.norm) * bound * mask
+
+    def _random_delta(self, clean: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self._noise_of_size(self.params.radius, clean, mask)
+
+    def _starting_delta(self, clean: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # The first ascent step differentiates with respect to it; it must not be 0, where l_s has gradient 0.
+        return self._noise_of_size(self.params.sigma * self.params.radius, clean, mask).requires_grad_()
 
     def loss(self, model: nn.Module, task: str, forward: Forward, reference: torch.Tensor,
-             replay: RngReplay) -> tuple[torch.Tensor, float]:
-        """(the batch-mean adversarial divergence, ||delta|| / ||embeddings||) against `reference` = f(x)."""
-        perturbation = WordPerturbation(self.word_embeddings(task))
-        make_delta = self._initial_noise
-        for _ in range(self.params.steps):
-            perturbation.deltas = [delta.detach().requires_grad_() for delta in perturbation.deltas]
-            with perturbation.applied(make_delta), replay.replayed(), frozen(model):
-                perturbed = forward(model)
-            ascent_loss = model.divergence(task, perturbed, reference.detach()).mean()
-            grads = torch.autograd.grad(ascent_loss, perturbation.deltas)  # delta only, no parameter grads
-            perturbation.deltas = [self._ascend(d, g, m) for d, g, m in
-                                   zip(perturbation.deltas, grads, perturbation.token_masks, strict=True)]
-            make_delta = None
+             replay: RngReplay) -> tuple[torch.Tensor, dict[str, float]]:
+        """(the batch-mean adversarial divergence against `reference` = f(x), the size of delta)."""
+        site, pad_token_id = self.site(task)
+        perturbation = Perturbation(site, pad_token_id)
+        make_delta = self._random_delta if self.params.mode == "random" else self._starting_delta
+        if self.params.mode == "adversarial":
+            for _ in range(self.params.steps):
+                perturbation.deltas = [delta.detach().requires_grad_() for delta in perturbation.deltas]
+                with perturbation.applied(make_delta), replay.replayed(), frozen(model):
+                    perturbed = forward(model)
+                ascent_loss = model.divergence(task, perturbed, reference.detach()).mean()
+                grads = torch.autograd.grad(ascent_loss, perturbation.deltas)  # delta only, no parameter grads
+                perturbation.deltas = [self._ascend(d, g, c, m) for d, g, c, m in
+                                       zip(perturbation.deltas, grads, perturbation.clean, perturbation.token_masks,
+                                           strict=True)]
+                make_delta = None
         with perturbation.applied(make_delta), replay.replayed():
             perturbed = forward(model)
-        return model.divergence(task, perturbed, reference).mean(), perturbation.relative_size()
+        sizes = {"delta_ratio": perturbation.relative_size(self.params.norm),
+                 "delta_l2_ratio": perturbation.relative_size("l2")}
+        return model.divergence(task, perturbed, reference).mean(), sizes
 
-    def _ascend(self, delta: torch.Tensor, grad: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        stepped = delta.detach() + self.params.eta * normalise(grad, self.params.norm)
-        return project(stepped, self.params.norm, self.params.epsilon) * mask
+    def _ascend(self, delta: torch.Tensor, grad: torch.Tensor, clean: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        norms = token_norms(clean, self.params.norm)
+        stepped = delta.detach() + self.params.step_size * norms * normalise(grad, self.params.norm)
+        return project(stepped, self.params.norm, self.params.radius * norms) * mask
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
