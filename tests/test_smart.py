@@ -6,13 +6,14 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from stages.core.data.kinds import Binary, Classification, Regression
 from stages.core.model.multitask import MultitaskModel
 from stages.core.params import ParamsError, check_heads, load_params
 from stages.core.training.objective import Objective
 from stages.core.training.resume import load_checkpoint, save_checkpoint
-from stages.core.training.smart import EmaTeacher, Perturbation, RngReplay, Smart, project, token_norms
+from stages.core.training.smart import EmaTeacher, Perturbation, RngReplay, Smart, ascent_step, project, token_norms
 from tests.conftest import REPO_ROOT, TASKS
 
 # SMART's l_s of each kind (stages/core/data/kinds.py): the symmetric KLs and the squared error
@@ -298,6 +299,26 @@ def test_logged_relative_size_is_the_configured_radius(model, params, batches, n
         _, sizes = smart.loss(model, task, lambda m, t=task: m(t, batches[t]), clean, RngReplay(CPU))
         assert sizes["delta_ratio"] == pytest.approx(0.3, rel=2e-3 if mode == "adversarial" else 1e-5)
         assert sizes["delta_l2_ratio"] > 0
+        assert ("ascended" in sizes) == (mode == "adversarial")
+
+
+@pytest.mark.parametrize("norm", ["inf", "l2"])
+def test_a_token_without_gradient_steps_along_its_starting_noise_to_the_radius(norm):
+    """bf16 can round a small delta away, leaving the divergence's gradient exactly 0 for an example:
+    its tokens then step along their starting noise, so every real token still ends on the ball's edge."""
+    generator = torch.Generator().manual_seed(0)
+    start = 1e-3 * torch.randn(2, 3, 4, generator=generator)
+    grad = torch.randn(2, 3, 4, generator=generator)
+    grad[1] = 0.0  # the second example's output did not move
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool).unsqueeze(-1)  # one padding token
+    bound = torch.full((2, 3, 1), 0.5)
+    delta, ascended = ascent_step(start, grad, bound, bound, norm, mask)
+    assert torch.equal(ascended, torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool).unsqueeze(-1))
+    sizes = token_norms(delta, norm)
+    assert torch.allclose(sizes[mask], torch.tensor(0.5), rtol=1e-2) and sizes[~mask].eq(0).all()
+    # the example without gradient moved along its own noise; the other along its gradient
+    assert (F.cosine_similarity(delta[1], start[1], dim=-1) > 0.99).all()
+    assert (F.cosine_similarity(delta[0, :2], grad[0, :2], dim=-1) > 0.9).all()
 
 
 @pytest.mark.parametrize("mode", ["random", "adversarial"])

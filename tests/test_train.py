@@ -138,8 +138,8 @@ def test_smart_and_teacher_resume_after_a_crash_like_an_uninterrupted_run(tmp_pa
         summary.pop("speed")
     assert resumed == uninterrupted
     regularisers = uninterrupted["epochs"][0]["regularisers"]
-    assert set(regularisers) == {"sst/smart_loss", "sst/delta_ratio", "sst/delta_l2_ratio",
-                                 "sts/smart_loss", "sts/delta_ratio", "sts/delta_l2_ratio",
+    assert set(regularisers) == {"sst/smart_loss", "sst/delta_ratio", "sst/delta_l2_ratio", "sst/ascended",
+                                 "sts/smart_loss", "sts/delta_ratio", "sts/delta_l2_ratio", "sts/ascended",
                                  "sst/bregman_loss", "qqp/bregman_loss", "sts/bregman_loss"}
     assert 0 < regularisers["sst/delta_ratio"] < 1
     heads_a = load_file(str(tmp_path / "a" / "model" / "heads.safetensors"))

@@ -44,7 +44,7 @@ from stages.core.training.run import Paths, ResumableRun
 log = logging.getLogger("train")
 
 # Per-batch figures of BatchLoss, averaged per epoch.
-REGULARISERS = ("smart_loss", "bregman_loss", "delta_ratio", "delta_l2_ratio")
+REGULARISERS = ("smart_loss", "bregman_loss", "delta_ratio", "delta_l2_ratio", "ascended")
 
 
 class Trainer(ResumableRun):

@@ -25,6 +25,7 @@ class BatchLoss:
     bregman_loss: float | None = None  # before mu
     delta_ratio: float | None = None  # mean over tokens of ||delta_t|| / ||x_t||, in smart.norm
     delta_l2_ratio: float | None = None  # the same in the 2-norm, comparable across norms
+    ascended: float | None = None  # adversarial: share of tokens whose step followed the gradient
 
 
 class Objective:
@@ -59,6 +60,7 @@ class Objective:
             if smart_on:
                 smart_loss, sizes = self.smart.loss(model, task, forward, reference, replay)
                 result.delta_ratio, result.delta_l2_ratio = sizes["delta_ratio"], sizes["delta_l2_ratio"]
+                result.ascended = sizes.get("ascended")
                 result.total = result.total + self.params.task_weight(task) * smart_loss
                 result.smart_loss = smart_loss.item()
             if self.teacher is not None:

@@ -9,7 +9,10 @@ the same on any backbone.
 
 - `adversarial`: delta starts as noise of relative size sigma, takes K ascent steps of relative size
   eta (null: eta = radius, so one step reaches the edge of B) along the normalised gradient of l_s with
-  respect to delta alone, and is projected onto B after every step.
+  respect to delta alone, and is projected onto B after every step. A token whose gradient is exactly 0
+  (bf16 rounds a tiny delta away, and l_s has gradient 0 where the outputs agree) steps along its starting
+  noise instead, so delta reaches the radius either way; `ascended` logs the share that followed the
+  gradient.
 - `random`: delta is Gaussian noise scaled to the edge of B, with no ascent pass. This is what the public
   code (smart-pytorch, MT-DNN) computes in effect: its one ascent step moves the noise by ~1e-9 before it
   is rescaled to unit inf-norm per token. It costs one extra forward and backward pass.
@@ -60,6 +63,21 @@ def project(delta: torch.Tensor, norm: str, bound: torch.Tensor) -> torch.Tensor
 def normalise(grad: torch.Tensor, norm: str) -> torch.Tensor:
     """Scaled to unit norm per token (zero where it is zero, e.g. at padding)."""
     return grad / token_norms(grad, norm).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def ascent_step(delta: torch.Tensor, grad: torch.Tensor, bound: torch.Tensor, step: torch.Tensor, norm: str,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ascent step of size `step` per token, projected onto the ball of radius `bound` per token.
+
+    Returns (the new delta, which tokens followed the gradient). Where a token's gradient is exactly 0 it
+    steps along its starting noise instead: in bf16 a small delta is rounded away, the perturbed output then
+    equals the clean one, and the divergence has gradient 0 there. Without this the step would leave delta
+    at the starting noise and the radius would change nothing for that example.
+    """
+    ascended = token_norms(grad, norm) > 0
+    direction = torch.where(ascended, grad, delta.detach())
+    stepped = delta.detach() + step * normalise(direction, norm)
+    return project(stepped, norm, bound) * mask, ascended & mask
 
 
 class Perturbation:
@@ -206,20 +224,24 @@ class Smart:
                     perturbed = forward(model)
                 ascent_loss = model.divergence(task, perturbed, reference.detach()).mean()
                 grads = torch.autograd.grad(ascent_loss, perturbation.deltas)  # delta only, no parameter grads
-                perturbation.deltas = [self._ascend(d, g, c, m) for d, g, c, m in
-                                       zip(perturbation.deltas, grads, perturbation.clean, perturbation.token_masks,
-                                           strict=True)]
+                ascended = [self._ascend(perturbation, i, grad) for i, grad in enumerate(grads)]
                 make_delta = None
         with perturbation.applied(make_delta), replay.replayed():
             perturbed = forward(model)
         sizes = {"delta_ratio": perturbation.relative_size(self.params.norm),
                  "delta_l2_ratio": perturbation.relative_size("l2")}
+        if self.params.mode == "adversarial":  # the share of real tokens whose last step followed the gradient
+            sizes["ascended"] = (sum(int(a.sum()) for a in ascended) /
+                                 max(1, sum(int(m.sum()) for m in perturbation.token_masks)))
         return model.divergence(task, perturbed, reference).mean(), sizes
 
-    def _ascend(self, delta: torch.Tensor, grad: torch.Tensor, clean: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        norms = token_norms(clean, self.params.norm)
-        stepped = delta.detach() + self.params.step_size * norms * normalise(grad, self.params.norm)
-        return project(stepped, self.params.norm, self.params.radius * norms) * mask
+    def _ascend(self, perturbation: Perturbation, call: int, grad: torch.Tensor) -> torch.Tensor:
+        """Moves the delta of encoder call `call` one step; returns which tokens followed the gradient."""
+        norms = token_norms(perturbation.clean[call], self.params.norm)
+        perturbation.deltas[call], ascended = ascent_step(
+            perturbation.deltas[call], grad, self.params.radius * norms, self.params.step_size * norms,
+            self.params.norm, perturbation.token_masks[call])
+        return ascended
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
