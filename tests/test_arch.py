@@ -183,7 +183,8 @@ def trainer(tmp_path: Path, backbone: Path, tokenized: Path, **overrides):
 def test_every_arch_trains_with_smart_the_teacher_and_a_bi_encoder(arch, tmp_path, tiny_backbone, tiny_tokenized):
     run = trainer(tmp_path, tiny_backbone, tiny_tokenized, model={"arch": arch, "task_layers": 1},
                   train={"epochs": 1}, heads={"sts": {"encoding": "bi", "combine": "features", "pooling": "mean"}},
-                  smart={"lambda": 1.0, "mu": 1.0, "radius": 0.1})
+                  smart={"lambda": 1.0, "task_lambda": {"sst": None, "qqp": None, "sts": None},
+                         "mu": 1.0, "radius": 0.1})
     summary = run.run()
     assert summary["speed"]["seconds_per_step"] > 0
     assert set(summary["epochs"][0]["regularisers"]) >= {"sst/smart_loss", "sts/delta_ratio", "qqp/bregman_loss"}

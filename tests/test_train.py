@@ -110,8 +110,8 @@ def test_bf16_autocast_trains_on_cpu(tmp_path, tiny_backbone, tiny_tokenized):
 def test_smart_and_teacher_resume_after_a_crash_like_an_uninterrupted_run(tmp_path, tiny_backbone, tiny_tokenized,
                                                                           monkeypatch):
     params_file = make_params(tmp_path, tiny_backbone, Path("unused"), heads={"sts": {"encoding": "bi"}},
-                              smart={"lambda": 1.0, "task_lambda": {"qqp": 0.0}, "mu": 1.0, "beta": 0.9,
-                                     "radius": 0.1})
+                              smart={"lambda": 1.0, "task_lambda": {"qqp": 0.0, "sts": None}, "mu": 1.0,
+                                     "beta": 0.9, "mode": "adversarial", "radius": 0.1})
     params = variant_params(params_file, "base")
 
     def paths(name: str) -> Paths:

@@ -242,7 +242,7 @@ class SmartParams:
     radius: float = _bounded(ge=0.0)  # ||delta_t|| <= radius * ||x_t||, per token
     norm: Literal["inf", "l2"]
     eta: float | None = _bounded(gt=0.0)  # adversarial: ascent step, relative like radius; null = radius
-    sigma: float = _bounded(gt=0.0)  # adversarial: relative size of the starting noise (its gradient is 0 at 0)
+    sigma: float = _bounded(gt=0.0)  # adversarial: starting noise, a fraction of the radius (not 0: no gradient)
     steps: int = _bounded(ge=1)  # adversarial: K ascent steps
     dropout: Literal["same", "off"]  # the regularisers' pairs: same dropout masks, or dropout off in both
     mu: float = _bounded(ge=0.0)  # weight of the Bregman term; 0 turns the teacher off
@@ -251,7 +251,7 @@ class SmartParams:
     def __post_init__(self):
         # With K steps of eta from (almost) zero, |delta| <= K * eta: a smaller total makes the radius meaningless.
         if self.mode == "adversarial" and self.eta is not None and self.eta * self.steps < self.radius:
-            raise ParamsError(f"eta: {self.steps} step(s) of {self.eta} never reach the radius {self.radius}, "
+            raise ParamsError(f"smart.eta: {self.steps} step(s) of {self.eta} never reach the radius {self.radius}, "
                               "so the radius would change nothing; set eta: null (= radius) or raise it")
 
     @property
