@@ -55,7 +55,7 @@ def token_norms(x: torch.Tensor, norm: str) -> torch.Tensor:
 def project(delta: torch.Tensor, norm: str, bound: torch.Tensor) -> torch.Tensor:
     """Onto the ball of radius `bound` (one per token, (..., 1)) around each token's vector."""
     if norm == "inf":
-        return torch.maximum(torch.minimum(delta, bound), -bound)
+        return delta.clamp(min=-bound, max=bound)
     lengths = token_norms(delta, norm)
     return delta * (bound / lengths.clamp_min(torch.finfo(lengths.dtype).tiny)).clamp(max=1.0)
 
@@ -214,26 +214,34 @@ class Smart:
     def loss(self, model: nn.Module, task: str, forward: Forward, reference: torch.Tensor,
              replay: RngReplay) -> tuple[torch.Tensor, dict[str, float]]:
         """(the batch-mean adversarial divergence against `reference` = f(x), the size of delta)."""
-        site, pad_token_id = self.site(task)
-        perturbation = Perturbation(site, pad_token_id)
-        make_delta = self._random_delta if self.params.mode == "random" else self._starting_delta
-        if self.params.mode == "adversarial":
-            for _ in range(self.params.steps):
-                perturbation.deltas = [delta.detach().requires_grad_() for delta in perturbation.deltas]
-                with perturbation.applied(make_delta), replay.replayed(), frozen(model):
-                    perturbed = forward(model)
-                ascent_loss = model.divergence(task, perturbed, reference.detach()).mean()
-                grads = torch.autograd.grad(ascent_loss, perturbation.deltas)  # delta only, no parameter grads
-                ascended = [self._ascend(perturbation, i, grad) for i, grad in enumerate(grads)]
-                make_delta = None
+        perturbation = Perturbation(*self.site(task))
+        sizes = {}
+        if self.params.mode == "random":
+            make_delta = self._random_delta  # the deltas are made in the pass below
+        else:
+            sizes["ascended"] = self._ascend_deltas(model, task, forward, reference, replay, perturbation)
+            make_delta = None
         with perturbation.applied(make_delta), replay.replayed():
             perturbed = forward(model)
-        sizes = {"delta_ratio": perturbation.relative_size(self.params.norm),
-                 "delta_l2_ratio": perturbation.relative_size("l2")}
-        if self.params.mode == "adversarial":  # the share of real tokens whose last step followed the gradient
-            sizes["ascended"] = (sum(int(a.sum()) for a in ascended) /
-                                 max(1, sum(int(m.sum()) for m in perturbation.token_masks)))
+        sizes.update(delta_ratio=perturbation.relative_size(self.params.norm),
+                     delta_l2_ratio=perturbation.relative_size("l2"))
         return model.divergence(task, perturbed, reference).mean(), sizes
+
+    def _ascend_deltas(self, model: nn.Module, task: str, forward: Forward, reference: torch.Tensor,
+                       replay: RngReplay, perturbation: Perturbation) -> float:
+        """K ascent steps from the starting noise; returns the share of real tokens whose last step
+        followed the gradient."""
+        make_delta = self._starting_delta
+        for _ in range(self.params.steps):
+            perturbation.deltas = [delta.detach().requires_grad_() for delta in perturbation.deltas]
+            with perturbation.applied(make_delta), replay.replayed(), frozen(model):
+                perturbed = forward(model)
+            ascent_loss = model.divergence(task, perturbed, reference.detach()).mean()
+            grads = torch.autograd.grad(ascent_loss, perturbation.deltas)  # delta only, no parameter grads
+            ascended = [self._ascend(perturbation, i, grad) for i, grad in enumerate(grads)]
+            make_delta = None
+        real_tokens = sum(int(mask.sum()) for mask in perturbation.token_masks)
+        return sum(int(a.sum()) for a in ascended) / max(1, real_tokens)
 
     def _ascend(self, perturbation: Perturbation, call: int, grad: torch.Tensor) -> torch.Tensor:
         """Moves the delta of encoder call `call` one step; returns which tokens followed the gradient."""
