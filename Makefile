@@ -5,7 +5,7 @@ VENV := .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: install repro test lint
+.PHONY: install repro test lint results
 
 install: $(VENV)/.installed
 
@@ -24,3 +24,6 @@ lint: install
 
 test: lint
 	pytest
+
+results: install  # rewrite the README's results block from metrics/stats.json and metrics/ensemble.json
+	python -m stages.core.evaluation.report

@@ -66,7 +66,7 @@ def main(steps: int = typer.Option(24, help="timed steady-state steps per mode")
               f"{sum(warmup_times['compiled']):.1f} s (compilation included); {time.perf_counter() - started:.0f} s",
               flush=True)
         times = alternate(trainer, {"eager": eager, "compiled": compiled}, schedule[warmup:], block)
-    report(times, warmup_times, params.train.bf16, json_out)
+    report(times, warmup_times, trainer.bf16, json_out)
 
 
 def report(times: dict[str, list[float]], warmup_times: dict[str, list[float]], bf16: bool,

@@ -35,12 +35,12 @@ def smart_objective(trainer: Trainer, steps: int, mode: str = "adversarial") -> 
     params = trainer.params.smart
     every_task = {task: None for task in params.task_lambda}  # every task inherits lambda
     smart = dataclasses.replace(params, lambda_=1.0, task_lambda=every_task, steps=steps, mode=mode, mu=0.0)
-    return Objective(trainer.model, smart, trainer.device, trainer.p.bf16, trainer.p.seed)
+    return Objective(trainer.model, smart, trainer.device, trainer.bf16, trainer.p.seed)
 
 
 def plain_objective(trainer: Trainer) -> Objective:
     plain = dataclasses.replace(trainer.params.smart, lambda_=0.0, mu=0.0)
-    return Objective(trainer.model, plain, trainer.device, trainer.p.bf16, trainer.p.seed)
+    return Objective(trainer.model, plain, trainer.device, trainer.bf16, trainer.p.seed)
 
 
 def timed_steps(trainer: Trainer, objective: Objective, schedule: list[tuple[str, ...]]) -> list[float]:

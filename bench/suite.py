@@ -11,7 +11,9 @@
    measurement, the three alternating);
 4. prediction throughput (sentences/s) of `predict`'s code against the same naive padding;
 5. `tokenize` wall time for all nine files, interpreter start included;
-6. peak resident memory of a process training the default variant (steps, an evaluation, a checkpoint).
+6. peak resident memory of a process training the default variant (steps, an evaluation, a checkpoint);
+7. `mtbert predict`'s engine: one-sentence latency (p50, p95) and batched sentences/s from raw text, against
+   the `predict` stage's path over the tokenized splits (bench/inference.py).
 
 The configurations being compared alternate in short blocks over the same kind of real batches, so a
 change in the machine's speed during the run hits all of them alike. Needs data/tokenized
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 import typer
 
+from bench.inference import engine_figures
 from bench.smart_step import alternating_step_times, ratios, scratch_trainer
 from stages.core.data.batches import TaskSplit, eval_batches, load_split
 from stages.core.data.sampling import TaskStream
@@ -100,7 +103,7 @@ def train_throughput(trainer: Trainer, steps: int, block: int) -> dict[str, Trai
     configs = {
         "naive": TrainConfig("naive", trainer, bucket_batches=1, pad_length=max_length, bf16=False),
         "default": TrainConfig("default", trainer, bucket_batches=trainer.p.bucket_batches, pad_length=None,
-                               bf16=trainer.p.bf16),
+                               bf16=trainer.bf16),
         "default_bf16": TrainConfig("default_bf16", trainer, bucket_batches=trainer.p.bucket_batches,
                                     pad_length=None, bf16=True),
     }
@@ -201,6 +204,8 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
         figures["predict"] = {"naive_sentences_per_second": round(sentences / naive_s, 1),
                               "sentences_per_second": round(sentences / default_s, 1),
                               "speedup": round(naive_s / default_s, 2)}
+        print("mtbert predict's engine: one-sentence latency, batched throughput vs the predict stage ...", flush=True)
+        figures["engine"] = engine_figures(trainer, params, tokenized_dir, dev)
         del trainer
     print("tokenize (a fresh process) ...", flush=True)
     figures["tokenize_seconds"] = round(tokenize_seconds(params_file), 2)
@@ -244,6 +249,11 @@ def report(f: dict) -> None:
           f"{verdict(f['tokenize_seconds'], TARGETS['tokenize_seconds'], False)}")
     print(f"6. peak RSS of training: {f['peak_rss_gib']:.2f} GiB "
           f"{verdict(f['peak_rss_gib'], TARGETS['peak_rss_gib'], False)}")
+    e = f["engine"]
+    print(f"7. mtbert predict: one sentence p50 {e['single_sentence_ms']['p50']} ms, p95 "
+          f"{e['single_sentence_ms']['p95']} ms; batched {e['engine_sentences_per_second']} sentences/s from raw text "
+          f"vs the predict stage's {e['predict_stage_sentences_per_second']} from tokens: "
+          f"{e['engine_over_predict_stage']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Stage `predict@<variant>`: dev and test prediction dumps, dev metrics, CS224N submission files.
 
 Writes data/predictions/<variant>/<task>-<split>.parquet (unrounded predictions), the CS224N CSVs
-beside them, plot tables (confusion matrices, regression scatter) and metrics/<variant>.json. The
-tasks are the ones the model was trained on (saved in its folder).
+beside them and metrics/<variant>.json. The tasks are the ones the model was trained on (saved in its
+folder); each task runs on the snapshot of the epoch it kept (see stages/core/model/saved.py).
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ from stages.core import io
 from stages.core.data.batches import load_split
 from stages.core.evaluation.evaluate import predict_split
 from stages.core.evaluation.metrics import headline_summary, overall, task_metrics
-from stages.core.evaluation.plots import write_plot_tables
 from stages.core.evaluation.predictions import rejected_ids, write_dump, write_submission
 from stages.core.model.saved import load_model
 from stages.core.params import load_params
-from stages.core.runtime import run_app, setup_logging, setup_torch
+from stages.core.runtime import limit_memory_growth, run_app, setup_logging, setup_torch, use_bf16
 
 log = logging.getLogger("predict")
 app = typer.Typer(add_completion=False)
@@ -33,12 +32,13 @@ def main(variant: str = typer.Option(..., "--variant", help="a key of `models:` 
          rejects_file: Path = typer.Option(Path("data/rejects.tsv")),
          models_dir: Path = typer.Option(Path("models")),
          predictions_dir: Path = typer.Option(Path("data/predictions")),
-         plots_dir: Path = typer.Option(Path("data/plots")),
          metrics_dir: Path = typer.Option(Path("metrics"))) -> None:
     setup_logging()
     all_params = load_params(params_file)
     params = all_params.predict
+    limit_memory_growth(all_params.runtime.onednn_cache, all_params.runtime.malloc_threshold_mb)
     device = setup_torch(seed=0, threads=all_params.runtime.threads)
+    bf16 = use_bf16(params.bf16, device)
     model, _ = load_model(models_dir / variant)
     model.to(device)
     out_dir = predictions_dir / variant
@@ -46,15 +46,14 @@ def main(variant: str = typer.Option(..., "--variant", help="a key of `models:` 
     for task in model.tasks.values():
         for split in ("dev", "test"):
             data = load_split(tokenized_dir, task, split)
-            values = predict_split(model, data, params.batch_size, device, params.bf16)
+            values = predict_split(model, data, params.batch_size, device, bf16)
             write_dump(out_dir, task, split, data.ids, values)
             write_submission(out_dir, task, split, data.ids, values, rejected_ids(rejects_file, task.name, split))
             if split == "dev":
                 dev_metrics[task.name] = task_metrics(task, values, data.labels)
-                write_plot_tables(plots_dir / variant, task, values, data.labels)
             log.info("%s-%s: %d predictions", task.name, split, len(data))
     dev_metrics["overall"] = overall(dev_metrics, model.tasks)
-    io.write_json(metrics_dir / f"{variant}.json", dev_metrics)
+    io.write_metrics(metrics_dir / f"{variant}.json", dev_metrics)
     log.info("%s dev: overall %.4f  %s", variant, dev_metrics["overall"], headline_summary(dev_metrics, model.tasks))
 
 

@@ -51,7 +51,7 @@ def main(params_file: Path = typer.Option(Path("params.yaml"), help="params file
                      parsed.rows_read, len(parsed.kept), len(parsed.rejects), stats.truncated)
     rejects = pd.concat(all_rejects, ignore_index=True)[REJECT_COLUMNS]
     io.write_text(rejects_file, rejects.to_csv(sep="\t", index=False))
-    io.write_json(metrics_file, report)
+    io.write_metrics(metrics_file, report)
     check_reject_fractions(report, list(tasks), params.data.max_reject_fraction, rejects_file)
 
 

@@ -1,4 +1,4 @@
-"""Stage `train@<variant>`: multitask fine-tuning of one variant, keeping the best epoch by dev overall.
+"""Stage `train@<variant>`: multitask fine-tuning of one variant, keeping each task's best dev epoch.
 
 The loop is stages/core/training/finetune.py. Resume: a checkpoint (model, optimiser, scheduler, RNG,
 sampler position, history) is written every runtime.checkpoint_every.train optimiser steps and at every
@@ -32,6 +32,7 @@ def main(variant: str = typer.Option(..., "--variant", help="a key of `models:` 
          models_dir: Path = typer.Option(Path("models")),
          metrics_dir: Path = typer.Option(Path("metrics/train")),
          checkpoints_dir: Path = typer.Option(Path("checkpoints")),
+         snapshots_dir: Path = typer.Option(Path("data/snapshots"), help="per-epoch dev and test prediction dumps"),
          pretrained_dir: Path = typer.Option(Path("models/pretrained"), help="the encoder to start from")) -> None:
     setup_logging()
     params = variant_params(params_file, variant)
@@ -39,9 +40,10 @@ def main(variant: str = typer.Option(..., "--variant", help="a key of `models:` 
         relaunch_with_torchrun(params.train.nproc, "stages.train", sys.argv[1:])
     paths = Paths(tokenized=tokenized_dir, model_out=models_dir / variant,
                   metrics_out=metrics_dir / f"{variant}.json", live_dir=metrics_dir / variant,
-                  checkpoints=checkpoints_dir / variant, pretrained=pretrained_dir)
+                  checkpoints=checkpoints_dir / variant, pretrained=pretrained_dir,
+                  snapshots=snapshots_dir / variant)
     summary = Trainer(params, variant, paths).run()
-    log.info("done: best epoch %d, dev overall %.4f", summary["best_epoch"], summary["dev"]["overall"])
+    log.info("done: epochs kept %s, dev overall %.4f", summary["task_epochs"], summary["dev"]["overall"])
 
 
 if __name__ == "__main__":

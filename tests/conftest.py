@@ -160,6 +160,14 @@ def tiny_tokenized(tmp_path_factory, tiny_backbone) -> Path:
     return root / "tok"
 
 
+def saved_heads(model_dir: Path) -> dict[str, list]:
+    """Every head weight of a trained variant's folder, by `epoch-<E>/<name>`, as lists (comparable with ==)."""
+    from safetensors.torch import load_file
+
+    return {f"{folder.name}/{name}": tensor.tolist() for folder in sorted(Path(model_dir).glob("epoch-*"))
+            for name, tensor in load_file(str(folder / "heads.safetensors")).items()}
+
+
 def kill_once_checkpointed(command: list[str], checkpoint: Path, timeout: float = 180) -> None:
     """Start `command`, and SIGKILL it and every process it started once `checkpoint` appears."""
     import signal

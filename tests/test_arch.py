@@ -120,6 +120,30 @@ def test_every_arch_round_trips_through_save_and_load(params, encoder, tokenizer
     assert all(torch.equal(expected[task], got[task]) for task in batches)
 
 
+def test_tasks_kept_at_different_epochs_each_run_on_their_own_snapshot(params, encoder, tokenizer, batches,
+                                                                      tmp_path):
+    from stages.core.model.saved import TaskSnapshots, assemble_model
+
+    config = {"variant": "x", "params": {"tasks": _as_dict(params.tasks), "heads": _as_dict(params.heads),
+                                         "model": {"name": "unused", "arch": "cerbertus", "task_layers": 1}}}
+    torch.manual_seed(0)
+    model = MultitaskModel(encoder, TASKS, params.heads, "cerbertus", 1)
+    expected = {}
+    for epoch in (1, 2):  # the shared layers move between the epochs too
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.01 * torch.randn_like(parameter))
+        save_model(model, tokenizer, tmp_path / "epochs" / f"epoch-{epoch}", config)
+        expected[epoch] = outputs(model, batches)
+    task_epochs = {"sst": 1, "qqp": 2, "sts": 1}
+    assemble_model(tmp_path / "model", tmp_path / "epochs", task_epochs, config)
+    loaded, saved_config = load_model(tmp_path / "model")
+    assert isinstance(loaded, TaskSnapshots) and saved_config["task_epochs"] == task_epochs
+    got = outputs(loaded, batches)
+    assert all(torch.equal(got[task], expected[epoch][task]) for task, epoch in task_epochs.items())
+    assert not torch.equal(expected[1]["qqp"], expected[2]["qqp"])
+
+
 def test_a_saved_model_without_its_tasks_is_refused_naming_the_file(params, encoder, tokenizer, tmp_path):
     model = MultitaskModel(encoder, TASKS, params.heads, "shared")
     config = {"variant": "x", "params": {"heads": _as_dict(params.heads), "model": {"arch": "shared"}}}

@@ -33,4 +33,6 @@ def test_suite_writes_every_figure(tmp_path, tiny_backbone, tiny_tokenized):
     assert figures["train_speedup"]["default"] > 0 and figures["smart_ratio"] > 0 and figures["smart_random_ratio"] > 0
     assert figures["predict"]["sentences_per_second"] > 0 and figures["tokenize_seconds"] > 0
     assert 0 < figures["peak_rss_gib"] < 24
-    assert "1. train speed-up default / naive" in result.output
+    assert figures["engine"]["single_sentence_ms"]["p95"] >= figures["engine"]["single_sentence_ms"]["p50"] > 0
+    assert figures["engine"]["engine_sentences_per_second"] > 0
+    assert "1. train speed-up default / naive" in result.output and "7. mtbert predict" in result.output

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -53,17 +54,22 @@ def train_command(tmp_path: Path, backbone: Path, tokenized: Path, nproc: int, c
     return [sys.executable, "-m", "stages.train", "--variant", "base", "--params-file", str(params),
             "--tokenized-dir", str(tokenized), "--pretrained-dir", str(backbone),
             "--models-dir", str(out / "models"), "--metrics-dir", str(out / "metrics"),
-            "--checkpoints-dir", str(out / "ck")]
+            "--checkpoints-dir", str(out / "ck"), "--snapshots-dir", str(out / "snapshots")]
+
+
+def run_stage(command: list[str]) -> None:
+    """Run a stage; on failure, show the end of its log (a CalledProcessError alone hides it)."""
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, f"exit {result.returncode}:\n{result.stderr[-4000:]}"
 
 
 def train(tmp_path: Path, backbone: Path, tokenized: Path, nproc: int, **train) -> Path:
-    subprocess.run(train_command(tmp_path, backbone, tokenized, nproc, **train), cwd=REPO_ROOT, check=True,
-                   capture_output=True)
+    run_stage(train_command(tmp_path, backbone, tokenized, nproc, **train))
     return tmp_path / "out"
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:
-    model = out / "models" / "base"
+    model = out / "models" / "base" / "epoch-1"  # one epoch
     encoder = load_file(str(model / "encoder" / "model.safetensors"))
     heads = load_file(str(model / "heads.safetensors"))
     return {**{f"encoder.{k}": v for k, v in encoder.items()}, **{f"heads.{k}": v for k, v in heads.items()}}
@@ -114,10 +120,28 @@ def test_a_killed_two_process_run_resumes_to_the_uninterrupted_result(tmp_path, 
     command = train_command(tmp_path / "b", dropout_free_backbone, tiny_tokenized, 2, **settings)
     checkpoint = tmp_path / "b" / "out" / "ck" / "base" / "last.pt"
     kill_once_checkpointed(command, checkpoint)
+    # torchrun starts its workers in sessions of their own: they must die with it, not train on
+    assert wait_until_gone(str(tmp_path / "b" / "params.yaml")) == []
     assert not (tmp_path / "b" / "out" / "metrics" / "base.json").exists()
-    subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True)
+    run_stage(command)
     resumed = weights(tmp_path / "b" / "out")
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+
+
+def wait_until_gone(marker: str, timeout: float = 10.0) -> list[int]:
+    """The pids of processes whose command line contains `marker`, once none are left or time is up."""
+    deadline = time.time() + timeout
+    while True:
+        alive = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    alive.append(int(entry.name))
+            except OSError:  # the process ended while we looked
+                continue
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.1)
 
 
 def pretrain(tmp_path: Path, backbone: Path, tokenized: Path, nproc: int) -> dict[str, torch.Tensor]:
@@ -126,7 +150,7 @@ def pretrain(tmp_path: Path, backbone: Path, tokenized: Path, nproc: int) -> dic
     params = yaml.safe_load(params_file.read_text())
     params["pretrain"].update(enabled=True, steps=6, batch_size=8, lr=1e-3, eval_every=3,
                               eval_examples=0, bucket_batches=2, nproc=nproc)
-    params["runtime"] = {"threads": nproc, "checkpoint_every": {"train": 3, "pretrain": 3}}
+    params["runtime"].update({"threads": nproc, "checkpoint_every": {"train": 3, "pretrain": 3}})
     params_file.write_text(yaml.safe_dump(params, sort_keys=False))
     subprocess.run([sys.executable, "-m", "stages.pretrain", "--params-file", str(params_file),
                     "--tokenized-dir", str(tokenized), "--out-dir", str(tmp_path / "pretrained"),

@@ -50,3 +50,15 @@ def test_stage_deps_cover_every_imported_module(name):
     module = stage["cmd"].split("python -m ")[1].split()[0]
     needed = transitive_files(module_file(module))
     assert needed <= set(stage["deps"]), f"{name}: add to deps: {sorted(needed - set(stage['deps']))}"
+
+
+def test_every_default_variant_and_the_ensemble_are_registered_models():
+    dvc_yaml = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())
+    variants = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["models"]
+    artifacts = dvc_yaml["artifacts"]
+    assert set(artifacts) == {*variants, "ensemble"}
+    outs = {out if isinstance(out, str) else next(iter(out)) for out in dvc_yaml["stages"]["ensemble"]["outs"]}
+    assert artifacts["ensemble"]["path"] in outs
+    for name in variants:  # train@<name> writes models/<name>
+        assert artifacts[name] == {**artifacts[name], "path": f"models/{name}", "type": "model"}
+        assert artifacts[name]["desc"] and "mtbert" in artifacts[name]["labels"]

@@ -10,11 +10,18 @@ from stages.core.evaluation.ensemble import average, dev_halves, greedy_select, 
 from stages.core.evaluation.metrics import headline, overall, task_metrics
 from stages.core.evaluation.plots import write_plot_tables
 from stages.core.evaluation.predictions import read_dump, submission_path, write_dump, write_submission
+from stages.core.params import EnsembleParams
 from stages.core.runtime import MissingInputError
 from tests.conftest import TASKS
 
 LABELS = np.array([1, 1, 0, 0, 1, 0, 1, 0], dtype=float)
 SST, QQP, STS = TASKS["sst"], TASKS["qqp"], TASKS["sts"]
+
+
+def ensemble_options(**overrides) -> EnsembleParams:
+    options = {"method": "greedy", "criterion": "metric", "snapshots": False, "max_members": 9,
+               "with_replacement": True}
+    return EnsembleParams(**{**options, **overrides})
 
 
 def qqp_metrics(values: np.ndarray, labels: np.ndarray) -> dict[str, float]:
@@ -87,8 +94,7 @@ def test_honest_estimate_selects_and_scores_on_disjoint_halves():
     lucky = np.where(half_b, rng.random(400), labels * 0.8 + 0.1)
     fair = np.clip(labels * 0.2 + rng.random(400) * 0.8, 0, 1)
     # One member per half, so the chosen model is simply the best on the selecting half.
-    estimate = honest_estimate(QQP, {"lucky_a": lucky, "fair": fair}, labels, ids, max_members=1,
-                               with_replacement=True)
+    estimate = honest_estimate(QQP, {"lucky_a": lucky, "fair": fair}, labels, ids, ensemble_options(max_members=1))
     assert estimate["half_sizes"] == [int((~half_b).sum()), int(half_b.sum())]
     a_selected_score_on_b = qqp_metrics(lucky[half_b], labels[half_b])["accuracy"]
     assert estimate["halves"][0] == pytest.approx(a_selected_score_on_b)  # chosen on A, scored on B only

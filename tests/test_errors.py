@@ -86,7 +86,7 @@ def test_a_missing_backbone_is_one_line_naming_it(tmp_path, raw_dir):
 def predict_args(tmp_path: Path, params_file: Path, models_dir: Path) -> list:
     return ["--variant", "base", "--params-file", params_file, "--models-dir", models_dir,
             "--tokenized-dir", tmp_path / "tok", "--rejects-file", tmp_path / "rejects.tsv",
-            "--predictions-dir", tmp_path / "predictions", "--plots-dir", tmp_path / "plots",
+            "--predictions-dir", tmp_path / "predictions",
             "--metrics-dir", tmp_path / "metrics"]
 
 

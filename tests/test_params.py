@@ -133,3 +133,24 @@ def test_pcgrad_needs_the_joint_sampler(raw_params):
         parse_params(raw)
     raw["train"]["sampler"] = "joint"
     assert parse_params(raw).train.gradient == "pcgrad"
+
+
+@pytest.mark.parametrize("value", [True, False, "auto"])
+def test_bf16_is_true_false_or_auto(raw_params, value):
+    assert parse_params(with_value(raw_params, "train.bf16", value)).train.bf16 == value
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_bf16_names_what_it_accepts(raw_params, value):
+    with pytest.raises(ParamsError, match=r"train\.bf16: expected true or false or one of 'auto', got"):
+        parse_params(with_value(raw_params, "train.bf16", value))
+
+
+def test_auto_bf16_follows_the_devices_native_support():
+    import torch
+
+    from stages.core.runtime import use_bf16
+
+    cpu = torch.device("cpu")
+    assert use_bf16(True, cpu) and not use_bf16(False, cpu)
+    assert use_bf16("auto", cpu) == torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -54,11 +54,15 @@ def repo(tmp_path_factory, tiny_backbone) -> Path:
     repo = tmp_path_factory.mktemp("repo")
     shutil.copytree(REPO_ROOT / "stages", repo / "stages", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO_ROOT / "dvc.yaml", repo / "dvc.yaml")
-    make_params(repo, tiny_backbone, Path("data/raw"), train={"epochs": 1}, extra=FOURTH_TASK,
-                models={"plain": {}, "meanpool": {"heads": {"sst": {"pooling": "mean"}}, "train": {"seed": 1}}})
+    # predict as train evaluates (batch 8, fp32), so the model cards' dev metrics are predict's exactly
+    make_params(repo, tiny_backbone, Path("data/raw"), train={"epochs": 1},
+                extra={**FOURTH_TASK, "predict": {"batch_size": 8, "bf16": False}},
+                models={"plain": {}, "meanpool": {"heads": {"sst": {"pooling": "mean"}}, "train": {"seed": 1}},
+                        "plain-seed1": {"train": {"seed": 1}}})
     write_raw_files(repo / "data" / "raw", {**synthetic_raw_files(16), **fourth_task_files(16)})
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     dvc(repo, "init", "-q")
+    shutil.copytree(REPO_ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")  # the curves' chart template
     dvc(repo, "config", "core.analytics", "false")
     git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
     subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
@@ -68,8 +72,10 @@ def repo(tmp_path_factory, tiny_backbone) -> Path:
 
 
 def test_repro_builds_every_stage_output(repo):
-    for variant in ("plain", "meanpool"):
-        assert (repo / "models" / variant / "heads.safetensors").is_file()
+    for variant in ("plain", "meanpool", "plain-seed1"):
+        task_epochs = json.loads((repo / "models" / variant / "mtbert.json").read_text())["task_epochs"]
+        assert task_epochs == {task: 1 for task in TASK_NAMES}  # one epoch
+        assert (repo / "models" / variant / "epoch-1" / "heads.safetensors").is_file()
         metrics = json.loads((repo / "metrics" / f"{variant}.json").read_text())
         assert set(metrics) == {*TASK_NAMES, "overall"}
         assert set(metrics["cfimdb"]) == {"accuracy", "f1"}
@@ -85,11 +91,32 @@ def test_repro_builds_every_stage_output(repo):
     assert data["cfimdb"]["train"]["labels"] == {"0": 8, "1": 8}
     ensemble = json.loads((repo / "metrics" / "ensemble.json").read_text())
     assert ensemble["overall"] == pytest.approx(sum(ensemble[t]["accuracy" if t != "sts" else "pearson"]
-                                                    for t in TASK_NAMES) / 4)
+                                                    for t in TASK_NAMES) / 4, abs=1e-4)  # 4 digits
     for task in TASK_NAMES:
         assert sum(ensemble[task]["members"].values()) >= 1
-        assert set(ensemble[task]["members"]) <= {"plain", "meanpool"}
+        assert set(ensemble[task]["members"]) <= {"plain", "meanpool", "plain-seed1"}
         assert sum(ensemble[task]["honest"]["half_sizes"]) == 16
+
+
+def card_metadata(path: Path) -> dict:
+    text = path.read_text(encoding="utf-8")
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("---\n")[1])
+
+
+def test_model_cards_carry_the_metrics_of_their_model(repo):
+    for variant in ("plain", "meanpool", "plain-seed1"):
+        card = card_metadata(repo / "models" / variant / "README.md")
+        assert card["base_model"] == yaml.safe_load((repo / "params.yaml").read_text())["model"]["name"]
+        assert card["license"] == "apache-2.0" and card["library_name"] == "transformers"
+        metrics = json.loads((repo / "metrics" / f"{variant}.json").read_text())
+        results = {r["task"]["name"]: {m["type"]: m["value"] for m in r["metrics"]}
+                   for r in card["model-index"][0]["results"]}
+        assert results == {task: metrics[task] for task in TASK_NAMES}
+    ensemble = json.loads((repo / "metrics" / "ensemble.json").read_text())
+    card = card_metadata(repo / "data" / "ensemble" / "README.md")
+    assert {r["task"]["name"]: r["metrics"][0]["value"] for r in card["model-index"][0]["results"]} == {
+        task: ensemble[task]["accuracy" if task != "sts" else "pearson"] for task in TASK_NAMES}
 
 
 def test_submissions_list_every_raw_test_id_once(repo):
@@ -109,7 +136,8 @@ def test_params_that_do_not_change_results_rerun_nothing(repo):
     params_file = repo / "params.yaml"
     original = params_file.read_text()
     params = yaml.safe_load(original)
-    params["runtime"] = {"threads": 2, "checkpoint_every": {"train": 1, "pretrain": 7}}
+    params["runtime"].update({"threads": 2, "checkpoint_every": {"train": 1, "pretrain": 7}, "onednn_cache": 8,
+                              "malloc_threshold_mb": 1})
     try:
         params_file.write_text(yaml.safe_dump(params, sort_keys=False))
         assert "up to date" in dvc(repo, "status")
@@ -118,12 +146,34 @@ def test_params_that_do_not_change_results_rerun_nothing(repo):
         params_file.write_text(original)
 
 
-def test_plots_render(repo):
-    output = dvc(repo, "plots", "show", "--json")
-    shown = json.loads(output)["data"]
-    for plot in ("confusion/sst.csv", "confusion/cfimdb.csv", "scatter/sts.csv"):
-        assert any(plot in name for name in shown), plot
-    assert any("dev/overall.tsv" in name for name in shown)
+def test_seed_statistics_group_the_seeds_and_compare_the_groups(repo):
+    stats = json.loads((repo / "metrics" / "stats.json").read_text())
+    assert {group: entry["variants"] for group, entry in stats["groups"].items()} == {
+        "plain": ["plain", "plain-seed1"], "meanpool": ["meanpool"]}
+    singles = [json.loads((repo / "metrics" / f"{v}.json").read_text()) for v in ("plain", "plain-seed1")]
+    accuracy = stats["groups"]["plain"]["dev"]["sst"]["accuracy"]
+    assert accuracy["mean"] == pytest.approx(sum(m["sst"]["accuracy"] for m in singles) / 2, abs=1e-4)
+    assert accuracy["min"] == min(m["sst"]["accuracy"] for m in singles)
+    comparison = stats["comparisons"]["meanpool - plain"]
+    for key in (*TASK_NAMES, "overall"):
+        assert comparison[key]["low"] <= comparison[key]["difference"] <= comparison[key]["high"]
+
+
+def test_plots_show_one_chart_of_curves_and_the_ensembles_plots_without_warnings(repo):
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(["dvc", "plots", "show", "--json"], cwd=repo, env=env, capture_output=True, text=True)
+    assert result.returncode == 0 and "WARNING" not in result.stderr + result.stdout, result.stderr
+    shown = json.loads(result.stdout)["data"]
+    assert sorted(shown) == sorted(["metrics/curves.tsv", *(f"data/plots/ensemble/confusion/{t}.csv"
+                                                             for t in ("sst", "qqp", "cfimdb")),
+                                    "data/plots/ensemble/scatter/sts.csv"])
+    curves = shown["metrics/curves.tsv"][0]
+    spec = curves["content"]
+    assert spec["title"] == "Every variant per epoch (dev metrics and training loss)"
+    assert spec["encoding" if "encoding" in spec else "spec"]["encoding"]["color"]["field"] == "variant"
+    values = spec["data"]["values"]
+    assert {row["variant"] for row in values} == {"plain", "meanpool", "plain-seed1"}
+    assert {int(row["epoch"]) for row in values} == {1}  # epochs count from 1
 
 
 def test_queued_experiments_run_and_show_with_their_metrics(repo):
@@ -131,7 +181,8 @@ def test_queued_experiments_run_and_show_with_their_metrics(repo):
     subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
     subprocess.run([*git, "commit", "-qm", "lock"], cwd=repo, check=True)  # queued runs start from HEAD
     for name, members in (("one-member", 1), ("two-members", 2)):
-        dvc(repo, "exp", "run", "--queue", "-n", name, "-S", f"ensemble.max_members={members}")
+        dvc(repo, "exp", "run", "--queue", "-n", name, "-S", "ensemble.method=greedy",
+            "-S", f"ensemble.max_members={members}")  # max_members bounds greedy; uniform takes every candidate
     dvc(repo, "queue", "start", "-j", "1")
     deadline = time.time() + 600
     while time.time() < deadline:
@@ -148,3 +199,108 @@ def test_queued_experiments_run_and_show_with_their_metrics(repo):
         assert data["params"]["params.yaml"]["data"]["ensemble"]["max_members"] == members
         ensemble = data["metrics"]["metrics/ensemble.json"]["data"]
         assert all(sum(ensemble[task]["members"].values()) <= members for task in TASK_NAMES)
+        assert "plain" in data["metrics"]["metrics/stats.json"]["data"]["groups"]
+
+
+# --- the trained models on new text: `mtbert predict` and its API (stages/core/inference.py) -----------------
+def dev_texts(repo: Path, task: str) -> tuple[list[str], list[tuple[str, ...]]]:
+    """The ids and texts of a task's dev split, in the split's row order (the dumps' order)."""
+    table = pq.read_table(repo / "data" / "tokenized" / f"{task}-dev.parquet")
+    columns = [c for c in ("sentence", "sentence1", "sentence2") if c in table.column_names]
+    return table.column("id").to_pylist(), list(zip(*(table.column(c).to_pylist() for c in columns), strict=True))
+
+
+def dump_values(path: Path) -> list[list[float]]:
+    table = pq.read_table(path)
+    return [list(row) for row in zip(*(table.column(c).to_pylist() for c in table.column_names
+                                       if c.startswith("prob") or c == "score"), strict=True)]
+
+
+def mtbert(repo: Path, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    """The command, on one thread as the repo's `predict` ran (runtime.threads 1): fp32 kernels round
+    differently with another thread count."""
+    return subprocess.run([sys.executable, "-m", "stages.core.cli", "predict", "--threads", "1", *args], cwd=repo,
+                          input=stdin, capture_output=True)
+
+
+@pytest.fixture
+def one_thread():
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_api_on_dev_rows_gives_the_predict_dumps_bit_for_bit(repo, task, one_thread):
+    from stages.core.inference import EnsemblePredictor, Predictor
+
+    _, texts = dev_texts(repo, task)
+    values = Predictor.load(repo / "models" / "plain", batch_size=8).values(task, texts)
+    expected = dump_values(repo / "data" / "predictions" / "plain" / f"{task}-dev.parquet")
+    assert values.reshape(len(texts), -1).tolist() == expected
+    ensemble = EnsemblePredictor.load(repo / "metrics" / "ensemble.json", repo / "models", batch_size=8)
+    expected = dump_values(repo / "data" / "ensemble" / f"{task}-dev.parquet")
+    assert ensemble.values(task, texts).reshape(len(texts), -1).tolist() == expected
+
+
+def test_command_reads_files_and_arguments_and_matches_the_dumps(repo, tmp_path):
+    ids, texts = dev_texts(repo, "sts")
+    lines = "".join(json.dumps({"id": i, "sentence1": a, "sentence2": b}) + "\n"
+                    for i, (a, b) in zip(ids, texts, strict=True))
+    (tmp_path / "pairs.jsonl").write_text(lines, encoding="utf-8")
+    result = mtbert(repo, "--model", "models/plain", "--task", "sts", "--task", "qqp", "--batch-size", "8",
+                    "--input", str(tmp_path / "pairs.jsonl"), "--output", str(tmp_path / "out.jsonl"))
+    assert result.returncode == 0, result.stderr
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [row["id"] for row in out] == ids
+    expected = dump_values(repo / "data" / "predictions" / "plain" / "sts-dev.parquet")
+    assert [[row["sts"]["score"]] for row in out] == expected
+    assert set(out[0]["qqp"]) == {"prob", "label"} and out[0]["sentence1"] == texts[0][0]
+    tsv = "sentence1\tsentence2\n" + "".join(f"{a}\t{b}\n" for a, b in texts)
+    from_stdin = mtbert(repo, "--ensemble", "metrics/ensemble.json", "--task", "sts", "--batch-size", "8",
+                        "--input", "-", stdin=tsv.encode())
+    expected = dump_values(repo / "data" / "ensemble" / "sts-dev.parquet")
+    assert [[json.loads(line)["sts"]["score"]] for line in from_stdin.stdout.splitlines()] == expected
+    arguments = mtbert(repo, "--model", "models/plain", "--task", "sst", "A gorgeous, witty film.", "Dull.")
+    rows = [json.loads(line) for line in arguments.stdout.splitlines()]
+    assert arguments.returncode == 0 and len(rows) == 2 and sum(rows[0]["sst"][f"prob_{c}"] for c in range(5)) == \
+        pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(("arguments", "stdin", "message"), [
+    (["--task", "sst", "  "], None, r"^error: input row 1: sentence is empty; expected a non-empty text$"),
+    (["--task", "sts", "one", "two", "three"], None, r"^error: 3 text arguments do not make pairs"),
+    (["--task", "sts", "--input", "-"], b'{"sentence1": "a dog"}\n', r"^error: stdin row 1: no 'sentence2'"),
+    (["--task", "sst", "--input", "-"], b"sentence\n\xffbad\n",
+     r"^error: stdin: not UTF-8 text \(byte 0xff at offset 9\)$"),
+    (["--task", "nope", "x"], None, r"^error: unknown task 'nope'"),
+    (["--task", "sst", "--input", "-"], b"sentence\n\n", r"^error: stdin: no rows; expected sentence per row$"),
+])
+def test_bad_input_is_one_line_and_exit_1(repo, arguments, stdin, message):
+    import re
+
+    result = mtbert(repo, "--model", "models/plain", *arguments, stdin=stdin)
+    lines = result.stderr.decode().strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and re.search(message, lines[0]), result.stderr
+
+
+def test_a_bad_model_folder_is_one_line_naming_what_is_wrong(repo, tmp_path):
+    import re
+
+    broken = tmp_path / "broken"
+    shutil.copytree(repo / "models" / "plain", broken)
+    (broken / "epoch-1" / "heads.safetensors").unlink()
+    old = tmp_path / "old"
+    shutil.copytree(repo / "models" / "plain", old)
+    config = json.loads((old / "mtbert.json").read_text())
+    (old / "mtbert.json").write_text(json.dumps({**config, "format": 1}))
+    for folder, message in ((broken, r"epoch-1/heads.safetensors is missing"),
+                            (old, r"a model folder of format 1; this mtbert reads format 2"),
+                            (tmp_path / "none", r"none/mtbert.json is missing")):
+        result = mtbert(repo, "--model", str(folder), "--task", "sst", "a film", "--output", str(tmp_path / "o"))
+        lines = result.stderr.decode().strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1 and re.search(message, lines[0]), result.stderr
+        assert not (tmp_path / "o").exists()

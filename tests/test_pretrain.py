@@ -111,7 +111,7 @@ def pretrain_params(tmp_path: Path, backbone: Path, **pretrain) -> Path:
     raw = yaml.safe_load(path.read_text())
     raw["pretrain"].update({"enabled": True, "steps": 24, "batch_size": 8, "lr": 1e-3, "eval_every": 8,
                             "eval_examples": 0, "bucket_batches": 2, "warmup_fraction": 0.1, **pretrain})
-    raw["runtime"] = {"threads": 1, "checkpoint_every": {"train": 3, "pretrain": 8}}
+    raw["runtime"].update({"threads": 1, "checkpoint_every": {"train": 3, "pretrain": 8}})
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
 

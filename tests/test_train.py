@@ -7,13 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
-from safetensors.torch import load_file
 
 from stages.core.params import variant_params
 from stages.core.training.finetune import Trainer
 from stages.core.training.run import Paths, TrainingError
-from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params
+from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params, saved_heads
 
 
 def train_command(params: Path, out: Path) -> list[str]:
@@ -21,7 +21,8 @@ def train_command(params: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "stages.train", "--variant", "base", "--params-file", str(params),
             "--pretrained-dir", backbone,
             "--tokenized-dir", str(out.parent / "tok"), "--models-dir", str(out / "models"),
-            "--metrics-dir", str(out / "metrics"), "--checkpoints-dir", str(out / "ck")]
+            "--metrics-dir", str(out / "metrics"), "--checkpoints-dir", str(out / "ck"),
+            "--snapshots-dir", str(out / "snapshots")]
 
 
 def run_training(params: Path, tokenized: Path, out: Path) -> dict:
@@ -34,8 +35,7 @@ def run_training(params: Path, tokenized: Path, out: Path) -> dict:
 def result_of(out: Path) -> dict:
     summary = json.loads((out / "metrics" / "base.json").read_text())
     summary.pop("speed")
-    heads = load_file(str(out / "models" / "base" / "heads.safetensors"))
-    return {"summary": summary, "heads": {k: v.tolist() for k, v in heads.items()}}
+    return {"summary": summary, "heads": saved_heads(out / "models" / "base")}
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +72,12 @@ def test_model_folder_reloads_with_transformers(tmp_path, training_params, tiny_
     run = tmp_path / "reload"
     run_training(training_params, tiny_tokenized, run)
     folder = run / "models" / "base"
-    assert AutoModel.from_pretrained(folder / "encoder").config.num_hidden_layers == 2
-    assert AutoTokenizer.from_pretrained(folder / "encoder")("a film")["input_ids"][0] == 101
     config = json.loads((folder / "mtbert.json").read_text())
     assert config["variant"] == "base" and config["params"]["train"]["epochs"] == 2
+    for epoch in set(config["task_epochs"].values()):
+        encoder = folder / f"epoch-{epoch}" / "encoder"
+        assert AutoModel.from_pretrained(encoder).config.num_hidden_layers == 2
+        assert AutoTokenizer.from_pretrained(encoder)("a film")["input_ids"][0] == 101
 
 
 def test_non_finite_loss_stops_naming_step_and_task(tmp_path, training_params, tiny_tokenized, monkeypatch):
@@ -142,6 +144,35 @@ def test_smart_and_teacher_resume_after_a_crash_like_an_uninterrupted_run(tmp_pa
                                  "sts/smart_loss", "sts/delta_ratio", "sts/delta_l2_ratio", "sts/ascended",
                                  "sst/bregman_loss", "qqp/bregman_loss", "sts/bregman_loss"}
     assert 0 < regularisers["sst/delta_ratio"] < 1
-    heads_a = load_file(str(tmp_path / "a" / "model" / "heads.safetensors"))
-    heads_b = load_file(str(tmp_path / "b" / "model" / "heads.safetensors"))
-    assert all(np.array_equal(heads_a[k].numpy(), heads_b[k].numpy()) for k in heads_a)
+    assert saved_heads(tmp_path / "a" / "model") == saved_heads(tmp_path / "b" / "model")
+
+
+def test_each_task_keeps_its_best_epoch_and_the_saved_model_reproduces_its_predictions(tmp_path, tiny_backbone,
+                                                                                      tiny_tokenized):
+    from stages.core.data.batches import load_split
+    from stages.core.evaluation.evaluate import predict_split
+    from stages.core.evaluation.predictions import read_dump
+    from stages.core.model.saved import load_model
+
+    params_file = make_params(tmp_path, tiny_backbone, Path("unused"), train={"epochs": 3, "lr": 3e-4})
+    params = variant_params(params_file, "base")
+    paths = Paths(tokenized=tiny_tokenized, model_out=tmp_path / "model", metrics_out=tmp_path / "base.json",
+                  live_dir=tmp_path / "live", checkpoints=tmp_path / "ck", snapshots=tmp_path / "snapshots")
+    for leftover in (tmp_path / "ck" / "snapshots" / "epoch-7", tmp_path / "ck" / "epochs" / "epoch-7"):
+        leftover.mkdir(parents=True)  # as a killed run with other params would leave them
+    summary = Trainer(params, "base", paths).run()
+    for task, epoch in summary["task_epochs"].items():  # the epoch of the task's best dev headline
+        scores = [record["dev"][task][params.tasks[task].metric] for record in summary["epochs"]]
+        assert epoch == scores.index(max(scores)) + 1
+    assert json.loads((tmp_path / "snapshots" / "chosen.json").read_text()) == summary["task_epochs"]
+    assert sorted(p.name for p in (tmp_path / "snapshots").glob("epoch-*")) == ["epoch-1", "epoch-2", "epoch-3"]
+    assert sorted(p.name for p in (tmp_path / "model").glob("epoch-*")) == sorted(
+        {f"epoch-{e}" for e in summary["task_epochs"].values()})
+    model, config = load_model(tmp_path / "model")
+    assert config["task_epochs"] == summary["task_epochs"]
+    for task_name, epoch in summary["task_epochs"].items():
+        split = load_split(tiny_tokenized, model.tasks[task_name], "dev")
+        values = predict_split(model, split, params.train.eval_batch_size, torch.device("cpu"))
+        snapshot_ids, snapshot = read_dump(tmp_path / "snapshots" / f"epoch-{epoch}", model.tasks[task_name], "dev")
+        assert snapshot_ids.tolist() == split.ids.tolist()
+        assert np.array_equal(values, snapshot), task_name  # bit for bit

@@ -116,8 +116,11 @@ class ModelParams:
     name: str
     arch: Arch  # which encoders each task's head reads: see stages/core/model/architectures.py
     task_layers: int = _bounded(ge=0)  # cerbertus: top encoder layers each task has its own copy of
+    license: str  # the backbone's license, which the fine-tuned models inherit (their model cards say it)
 
 
+# bf16 autocast: true, false, or auto (on where the device has native bf16 arithmetic; runtime.use_bf16)
+Bf16 = bool | Literal["auto"]
 Split = Literal["train", "dev", "test"]
 
 
@@ -139,7 +142,7 @@ class PretrainParams:
     bucket_batches: int = _bounded(ge=1)
     eval_every: int = _bounded(ge=1)  # steps between held-out evaluations
     eval_examples: int = _bounded(ge=0)  # dev sentences in the held-out set; 0 = all
-    bf16: bool
+    bf16: Bf16
     seed: int = _bounded(ge=0)
     nproc: int = _bounded(ge=1)  # processes on this machine; > 1 relaunches the stage through torchrun
 
@@ -218,9 +221,10 @@ class TrainParams:
     temperature: float = _bounded(gt=0.0)  # for sampler: temperature (p ~ n^(1/T))
     bucket_batches: int = _bounded(ge=1)  # batches per length-sorting window; 1 turns bucketing off
     max_examples: int = _bounded(ge=0)  # per task and split, for quick runs; 0 uses all
-    bf16: bool
+    bf16: Bf16
     nproc: int = _bounded(ge=1)  # processes on this machine; > 1 relaunches the stage through torchrun
     gradient: Literal["plain", "pcgrad"]  # pcgrad: gradient surgery across the tasks of a joint step
+    select: Literal["task", "overall"]  # each task's model from its own best dev epoch, or all from the best overall
 
     def __post_init__(self):
         if self.gradient == "pcgrad" and self.sampler != "joint":
@@ -267,7 +271,7 @@ class SmartParams:
 @dataclasses.dataclass(frozen=True)
 class PredictParams:
     batch_size: int = _bounded(ge=1)
-    bf16: bool
+    bf16: Bf16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,12 +286,23 @@ class RuntimeParams:
     so changing them re-runs nothing (and resume checkpoints stay valid)."""
     threads: int = _bounded(ge=0)  # CPU threads per stage, shared among its processes; 0 = torch's default
     checkpoint_every: CheckpointEvery
+    onednn_cache: int = _bounded(ge=0)  # oneDNN kernels kept (one per op and shape); 0 = oneDNN's default
+    malloc_threshold_mb: int = _bounded(ge=0)  # glibc mmap and trim threshold; 0 = glibc's adaptive default
 
 
 @dataclasses.dataclass(frozen=True)
 class EnsembleParams:
-    max_members: int = _bounded(ge=1)  # per task, counting repeats
-    with_replacement: bool  # a model may be added again, weighting it more
+    method: Literal["uniform", "greedy"]  # the plain average of every candidate | greedy forward selection
+    criterion: Literal["metric", "smooth"]  # greedy: the task's headline metric | log-loss or squared error
+    snapshots: bool  # every epoch of every variant is a candidate, not only each variant's chosen epoch
+    max_members: int = _bounded(ge=1)  # greedy: per task, counting repeats
+    with_replacement: bool  # greedy: a model may be added again, weighting it more
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsParams:
+    resamples: int = _bounded(ge=1)  # bootstrap resamples of the dev rows per comparison
+    confidence: float = _bounded(gt=0.0, lt=1.0)  # of the bootstrap interval
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +317,7 @@ class Params:
     smart: SmartParams
     predict: PredictParams
     ensemble: EnsembleParams
+    stats: StatsParams
     runtime: RuntimeParams
     models: dict[str, dict]  # named variants: overrides deep-merged over the sections above
 
@@ -380,7 +396,7 @@ def merged_variant(raw: dict, variant: str) -> dict:
     overrides = models[variant] or {}
     if not isinstance(overrides, dict):
         raise ParamsError(f"models.{variant}: expected a mapping of overrides, got {overrides!r}")
-    for section in ("models", "tasks"):  # every variant trains on the tasks tokenize wrote
+    for section in ("models", "tasks", "ensemble", "stats"):  # tokenize's tasks; what combines the variants
         if section in overrides:
             raise ParamsError(f"models.{variant}: a variant cannot override '{section}'")
     return deep_merge(raw, overrides)
@@ -442,7 +458,15 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [arg for arg in args if arg is not type(None)]
-        return _convert(inner[0], value, key)
+        if len(inner) == 1:
+            return _convert(inner[0], value, key)
+        errors = []
+        for arg in inner:  # the first alternative the value fits
+            try:
+                return _convert(arg, value, key)
+            except ParamsError as error:
+                errors.append(str(error).removeprefix(f"{key}: expected ").split(", got ")[0])
+        raise ParamsError(f"{key}: expected {' or '.join(errors)}, got {value!r}")
     if origin is Literal:
         if value not in args:
             raise ParamsError(f"{key}: expected one of {', '.join(map(repr, args))}, got {value!r}")

@@ -75,6 +75,10 @@ class Kind:
     def metrics(self, values: np.ndarray, labels: np.ndarray) -> dict[str, float]:
         raise NotImplementedError
 
+    def smooth_loss(self, values: np.ndarray, labels: np.ndarray) -> float:
+        """A smooth criterion of unrounded predictions (lower is better): log-loss, or squared error."""
+        raise NotImplementedError
+
     def predicted_labels(self, values: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
@@ -119,6 +123,10 @@ class Classification(Kind):
         f1s = [_f1(predicted == c, labels == c) for c in range(values.shape[-1])]
         return {"accuracy": float(np.mean(predicted == labels)), "macro_f1": float(np.mean(f1s))}
 
+    def smooth_loss(self, values, labels):
+        chosen = values[np.arange(len(labels)), labels.astype(int)]
+        return float(-np.mean(np.log(np.clip(chosen, 1e-12, 1.0))))
+
     def predicted_labels(self, values):
         return values.argmax(-1)
 
@@ -152,6 +160,11 @@ class Binary(Kind):
         predicted = values >= 0.5
         gold = labels.astype(int) == 1
         return {"accuracy": float(np.mean(predicted == gold)), "f1": _f1(predicted, gold)}
+
+    def smooth_loss(self, values, labels):
+        p = np.clip(values, 1e-12, 1 - 1e-12)
+        gold = labels.astype(int) == 1
+        return float(-np.mean(np.where(gold, np.log(p), np.log1p(-p))))
 
     def predicted_labels(self, values):
         return (values >= 0.5).astype(np.int64)
@@ -213,6 +226,9 @@ class Regression(Kind):
             return {"pearson": 0.0, "spearman": 0.0}
         return {"pearson": float(stats.pearsonr(values, labels).statistic),
                 "spearman": float(stats.spearmanr(values, labels).statistic)}
+
+    def smooth_loss(self, values, labels):
+        return float(np.mean((values - labels) ** 2))
 
     def predicted_labels(self, values):
         return values

@@ -1,1 +1,1 @@
-"""Metrics, predictions over a split, prediction dumps, plots and the ensemble."""
+"""Metrics, predictions over a split, prediction dumps, plots, the ensemble, seed statistics and reports."""

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from stages.core import io
 from stages.core.data.tasks import Task
-from stages.core.runtime import MissingInputError
+from stages.core.runtime import MissingInputError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,17 @@ def read_dump(directory: Path | str, task: Task, split: str) -> tuple[np.ndarray
         raise MissingInputError(f"{path} is missing; run `dvc repro` for the predict stage that writes it")
     table = pq.read_table(path)
     return np.asarray(table.column("id").to_pylist(), dtype=object), values_of(task, table)
+
+
+def read_aligned(directory: Path, task: Task, split: str, ids: np.ndarray) -> np.ndarray:
+    """A dump's predictions in the row order of `ids`; a dump with other ids is an error."""
+    dump_ids, values = read_dump(directory, task, split)
+    position = {value: index for index, value in enumerate(dump_ids)}
+    missing = [i for i in ids if i not in position]
+    if missing or len(dump_ids) != len(ids):
+        raise UserError(f"{directory}: {task.name}-{split} dump has {len(dump_ids)} ids, expected "
+                        f"{len(ids)} matching the dev/test split (missing e.g. {missing[:3]})")
+    return values[[position[i] for i in ids]]
 
 
 def write_submission(directory: Path | str, task: Task, split: str, ids, values: np.ndarray,

@@ -1,1 +1,2 @@
-"""The training loops and what they use: objective, SMART, PCGrad, optimiser, resume, distributed."""
+"""The training loops and what they use: epoch selection, objective, SMART, PCGrad, optimiser, resume,
+distributed."""

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import signal
 import sys
 
 import numpy as np
@@ -49,10 +50,25 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def die_with_launcher() -> None:
+    """End this worker when torchrun ends. torchrun starts each worker in a session of its own, so a
+    SIGKILL of the job's process group (or of torchrun alone) would leave the workers training on, writing
+    into the checkpoints a resumed run reads."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != int(os.environ.get("MTBERT_LAUNCHER_PID", os.getppid())):
+        os._exit(1)  # the launcher died before the signal was armed
+
+
 def init_ranks() -> Ranks:
     """This process's place among torchrun's processes (a single rank when not under torchrun)."""
     if not under_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         return Ranks()
+    die_with_launcher()
     ranks = Ranks(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                   local_rank=int(os.environ["LOCAL_RANK"]),
                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
@@ -159,6 +175,7 @@ def relaunch_with_torchrun(nproc: int, module: str, argv: list[str]) -> None:
     command = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     command += ["--standalone", f"--nproc_per_node={nproc}", "-m", module, *argv]
     log.info("train.nproc is %d: relaunching as %s", nproc, " ".join(command))
+    os.environ["MTBERT_LAUNCHER_PID"] = str(os.getpid())  # execv keeps the pid: torchrun's, the workers' parent
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(command[0], command)

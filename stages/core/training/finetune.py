@@ -1,10 +1,12 @@
-"""Multitask fine-tuning of one variant: the loop, keeping the epoch with the best dev overall score.
+"""Multitask fine-tuning of one variant: the loop, keeping each task's model from its best dev epoch.
 
 Read `Trainer.run` top to bottom: resume if a checkpoint of this very run exists, then per epoch the
 sampler's schedule of task steps (forward and backward per step, an optimiser update every
-`grad_accum` steps, a checkpoint every `runtime.checkpoint_every.train` updates), a dev evaluation, the
-best epoch's model saved aside; at the end that model becomes the output folder and the summary the
-metrics file.
+`grad_accum` steps, a checkpoint every `runtime.checkpoint_every.train` updates), then the epoch's dev and
+test predictions (the snapshot dumps the ensemble may use), and the model saved aside if some task's
+dev metric is now at its best (`train.select: task`; `overall` keeps one epoch for all tasks). At the
+end the saved epochs that some task chose become the model folder, the snapshot dumps are published,
+and the summary becomes the metrics file.
 
 Public interface (the `train` stage, bench/ and the tests use these): `Trainer(params, variant, paths)`,
 `run()`, `schedule(epoch)`, `forward_backward(tasks)`, `update()`, `checkpoint()`, `parameter_count()`,
@@ -26,22 +28,30 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from stages.core import io
 from stages.core.data.batches import load_split
 from stages.core.data.sampling import TaskStream, epoch_schedule
 from stages.core.data.tasks import tasks_from_params, tokenized_path
-from stages.core.evaluation.evaluate import evaluate
-from stages.core.evaluation.metrics import headline_summary
+from stages.core.evaluation.evaluate import predict_split
+from stages.core.evaluation.metrics import headline_summary, overall, task_metrics
+from stages.core.evaluation.predictions import write_dump
 from stages.core.model.backbone import load_encoder, load_tokenizer, starting_point
+from stages.core.model.card import variant_card
 from stages.core.model.multitask import MultitaskModel
-from stages.core.model.saved import save_model
+from stages.core.model.saved import assemble_model, epoch_dir, save_model
 from stages.core.params import Params, as_dict
+from stages.core.runtime import limit_memory_growth
 from stages.core.training.distributed import average_tensor, broadcast, setup_process, shard, shutdown, sync_parameters
 from stages.core.training.objective import BatchLoss, Objective
 from stages.core.training.optim import make_optimizer
 from stages.core.training.pcgrad import accumulate, flat_gradient, project_conflicts
 from stages.core.training.run import Paths, ResumableRun
+from stages.core.training.selection import chosen_epochs, chosen_metrics
 
 log = logging.getLogger("train")
+
+# Sections that do not change what `train` computes: left out of the run's fingerprint and mtbert.json.
+NOT_TRAINING = ("models", "runtime", "predict", "ensemble", "stats")
 
 # Per-batch figures of BatchLoss, averaged per epoch.
 REGULARISERS = ("smart_loss", "bregman_loss", "delta_ratio", "delta_l2_ratio", "ascended")
@@ -52,9 +62,10 @@ class Trainer(ResumableRun):
 
     def __init__(self, params: Params, variant: str, paths: Paths):
         self.params, self.variant, self.p = params, variant, params.train
+        limit_memory_growth(params.runtime.onednn_cache, params.runtime.malloc_threshold_mb)
         ranks, device = setup_process(self.p.seed, params.runtime.threads)
         super().__init__(paths, ranks, device, run_fingerprint(params, paths.tokenized, paths.pretrained,
-                                                              ranks.world_size))
+                                                              ranks.world_size), self.p.bf16)
         self.tasks = tasks_from_params(params.tasks)
         start = starting_point(params.model.name, paths.pretrained)
         self.tokenizer = load_tokenizer(start)
@@ -65,6 +76,11 @@ class Trainer(ResumableRun):
                            for name, task in self.tasks.items()}
         self.dev_data = {name: load_split(paths.tokenized, task, "dev", self.p.max_examples)
                          for name, task in self.tasks.items()}
+        # Snapshot dumps cover the whole dev and test splits, so the ensemble can align them with predict's.
+        self.snapshot_data = {name: {"dev": self.dev_data[name] if not self.p.max_examples
+                                     else load_split(paths.tokenized, task, "dev"),
+                                     "test": load_split(paths.tokenized, task, "test")}
+                              for name, task in self.tasks.items()} if paths.snapshots and self.ranks.is_main else {}
         self.streams = {name: TaskStream(split.lengths(self.model.encoding(name)), self.p.batch_size[name],
                                          self.p.bucket_batches, self.p.seed, index)
                         for index, (name, split) in enumerate(self.train_data.items())}
@@ -73,9 +89,8 @@ class Trainer(ResumableRun):
         num_layers = self.model.encoder.config.num_hidden_layers
         self.optimizer, self.scheduler = make_optimizer(self.model, num_layers, self.p,
                                                         updates_per_epoch * self.p.epochs)
-        self.objective = Objective(self.model, params.smart, self.device, self.p.bf16, self.p.seed)
+        self.objective = Objective(self.model, params.smart, self.device, self.bf16, self.p.seed)
         self.epoch, self.step_in_epoch, self.updates = 0, 0, 0
-        self.best = {"epoch": -1, "overall": -math.inf}
         self.running = self.empty_running()
 
     def schedule(self, epoch: int) -> list[tuple[str, ...]]:
@@ -92,13 +107,12 @@ class Trainer(ResumableRun):
     # --- the state beyond the skeleton's ------------------------------------------------------------
     def loop_state(self) -> dict:
         return {"streams": {name: stream.state() for name, stream in self.streams.items()}, "epoch": self.epoch,
-                "step_in_epoch": self.step_in_epoch, "updates": self.updates, "best": json.dumps(self.best)}
+                "step_in_epoch": self.step_in_epoch, "updates": self.updates}
 
     def load_loop_state(self, state: dict) -> None:
         for name, stream in self.streams.items():
             stream.load_state(state["streams"][name])
         self.epoch, self.step_in_epoch, self.updates = state["epoch"], state["step_in_epoch"], state["updates"]
-        self.best = json.loads(state["best"])
 
     def rank_state(self) -> dict:
         return {"objective": self.objective.state_dict()}  # SMART's noise generator, the teacher
@@ -110,6 +124,9 @@ class Trainer(ResumableRun):
     def run(self) -> dict:
         if self.resume():
             log.info("resuming from epoch %d step %d", self.epoch + 1, self.step_in_epoch)
+        elif self.ranks.is_main:  # a killed run with other params or data may have left its epochs here
+            for leftover in (self.saved_epochs, self.snapshot_dumps):
+                shutil.rmtree(leftover, ignore_errors=True)
         live = self.open_live(log_epoch)
         log.info("%s: arch %s, %d steps per epoch, %d epochs, sampler %s, gradient %s, %s parameters, %d rank(s)",
                  self.variant, self.params.model.arch, self.steps_per_epoch, self.p.epochs, self.p.sampler,
@@ -121,8 +138,7 @@ class Trainer(ResumableRun):
             live.end()
         summary = self.summary()
         if self.ranks.is_main:
-            shutil.rmtree(self.paths.model_out, ignore_errors=True)
-            shutil.copytree(self.paths.checkpoints / "best", self.paths.model_out)
+            self.publish(summary)
         self.finish(summary)
         shutdown(self.ranks)
         return summary
@@ -193,10 +209,11 @@ class Trainer(ResumableRun):
         self.updates += 1
 
     def end_epoch(self, live) -> None:
-        """Evaluate on dev, keep the model if it is the best epoch so far, log, checkpoint."""
+        """Predict dev (and test, for the snapshot dumps), keep the model if a task is at its best, log,
+        checkpoint."""
         dev = None  # the main rank evaluates; the others wait for its figures
         if self.ranks.is_main:
-            dev = evaluate(self.model, self.dev_data, self.p.eval_batch_size, self.device, self.p.bf16)
+            dev = self.evaluate_and_dump()
         dev = broadcast(dev, self.ranks)
         self.sum_running_over_ranks()
         running = self.running
@@ -212,15 +229,57 @@ class Trainer(ResumableRun):
         if record["regularisers"]:
             log.info("epoch %d regularisers (batch means): %s", self.epoch + 1,
                      ", ".join(f"{k} {v:.3g}" for k, v in record["regularisers"].items()))
-        if dev["overall"] > self.best["overall"]:
-            self.best = {"epoch": self.epoch + 1, "overall": dev["overall"]}
-            if self.ranks.is_main:
-                save_model(self.model, self.tokenizer, self.paths.checkpoints / "best", self.model_config())
         self.history.append(record)
+        chosen = chosen_epochs(self.history, self.tasks, self.p.select)
+        if self.epoch + 1 in chosen.values() and self.ranks.is_main:
+            save_model(self.model, self.tokenizer, self.saved_epochs / epoch_dir(self.epoch + 1), self.model_config())
         self.epoch, self.step_in_epoch, self.running = self.epoch + 1, 0, self.empty_running()
         self.checkpoint()
+        if self.ranks.is_main:  # only after the checkpoint, which still names what a resumed run needs
+            self.drop_unchosen_epochs(set(chosen.values()))
         if live is not None:
             log_epoch(live, record)
+
+    def evaluate_and_dump(self) -> dict:
+        """The epoch's dev metrics; with a snapshots path, its dev and test predictions as snapshot dumps
+        (kept with the checkpoint until the run ends: `dvc repro` clears a stage's outputs before it runs)."""
+        directory = self.snapshot_dumps / epoch_dir(self.epoch + 1)
+        dev = {}
+        for name, split in self.dev_data.items():
+            values = predict_split(self.model, split, self.p.eval_batch_size, self.device, self.bf16)
+            dev[name] = task_metrics(split.task, values, split.labels)
+            for split_name, data in self.snapshot_data.get(name, {}).items():
+                if data is not split:
+                    values = predict_split(self.model, data, self.p.eval_batch_size, self.device, self.bf16)
+                write_dump(directory, data.task, split_name, data.ids, values)
+        dev["overall"] = overall(dev, self.tasks)
+        return dev
+
+    @property
+    def saved_epochs(self) -> Path:
+        """Whole-model snapshots of the epochs some task keeps, until the run ends."""
+        return self.paths.checkpoints / "epochs"
+
+    @property
+    def snapshot_dumps(self) -> Path:
+        """Every epoch's prediction dumps, until the run ends."""
+        return self.paths.checkpoints / "snapshots"
+
+    def drop_unchosen_epochs(self, chosen: set[int]) -> None:
+        for folder in self.saved_epochs.glob("epoch-*"):
+            if int(folder.name.removeprefix("epoch-")) not in chosen:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def publish(self, summary: dict) -> None:
+        """The chosen epochs' saved models become the model folder, with its model card; the snapshot dumps,
+        with the epoch each task chose, are published for the ensemble."""
+        task_epochs, config = summary["task_epochs"], self.model_config()
+        card = variant_card(summary, config["params"], self.tasks, str(self.paths.model_out))
+        assemble_model(self.paths.model_out, self.saved_epochs, task_epochs, config, card)
+        if self.paths.snapshots is not None:
+            with io.atomic_dir(self.paths.snapshots) as temp:
+                shutil.copytree(self.snapshot_dumps, temp, dirs_exist_ok=True)
+                io.write_json(temp / "chosen.json", task_epochs)
 
     def sum_running_over_ranks(self) -> None:
         """Epoch figures of all ranks: examples and tokens summed, per-task losses averaged."""
@@ -237,15 +296,14 @@ class Trainer(ResumableRun):
     # --- outputs ------------------------------------------------------------------------------------
     def model_config(self) -> dict:
         """What the model folder records (mtbert.json): the variant and its merged params."""
-        config = as_dict(self.params)
-        config.pop("models")
-        config.pop("runtime")  # how fast it ran, not what it is
+        config = {key: value for key, value in as_dict(self.params).items() if key not in NOT_TRAINING}
         return {"variant": self.variant, "params": config}
 
     def summary(self) -> dict:
-        best_record = self.history[self.best["epoch"] - 1]
-        return {"variant": self.variant, "best_epoch": self.best["epoch"], "dev": best_record["dev"],
-                "epochs": [{"epoch": r["epoch"], "dev_overall": r["dev"]["overall"],
+        task_epochs = chosen_epochs(self.history, self.tasks, self.p.select)
+        return {"variant": self.variant, "select": self.p.select, "task_epochs": task_epochs,
+                "dev": chosen_metrics(self.history, self.tasks, task_epochs),
+                "epochs": [{"epoch": r["epoch"], "dev": r["dev"],
                             "train_loss": r["train_loss"], "task_batches": r["task_batches"],
                             "examples": r["examples"],
                             **({"regularisers": r["regularisers"]} if r["regularisers"] else {})}
@@ -256,27 +314,27 @@ class Trainer(ResumableRun):
 
 
 def log_epoch(live, record: dict) -> None:
+    live.step = record["epoch"]  # the x axis counts epochs from 1, as the logs and metrics do
     for task, metrics in record["dev"].items():
         if task == "overall":
             continue
         for metric, value in metrics.items():
-            live.log_metric(f"dev/{task}/{metric}", value)
-        live.log_metric(f"train/{task}/loss", record["train_loss"][task])
+            live.log_metric(f"dev/{task}/{metric}", io.rounded(value))
+        live.log_metric(f"train/{task}/loss", io.rounded(record["train_loss"][task]))
     for name, value in record["regularisers"].items():
-        live.log_metric(f"train/{name}", value)
-    live.log_metric("dev/overall", record["dev"]["overall"])
+        live.log_metric(f"train/{name}", io.rounded(value))
+    live.log_metric("dev/overall", io.rounded(record["dev"]["overall"]))
     live.next_step()
 
 
 def run_fingerprint(params: Params, tokenized_dir: Path, pretrained: Path | None, world_size: int = 1) -> str:
     """Identifies a run: its params (less `runtime`, which changes no result), the data and the start weights."""
     digest = hashlib.sha256()
-    relevant = as_dict(params)
-    relevant.pop("models")  # the other variants' overrides; this variant's are already merged in
-    relevant.pop("runtime")
+    # `models` holds the other variants' overrides; this variant's are already merged in.
+    relevant = {key: value for key, value in as_dict(params).items() if key not in NOT_TRAINING}
     digest.update(json.dumps({**relevant, "world_size": world_size}, sort_keys=True).encode())
     for task in params.tasks:
-        for split in ("train", "dev"):
+        for split in ("train", "dev", "test"):  # test: the snapshot dumps predict it
             digest.update(tokenized_path(tokenized_dir, task, split).read_bytes())
     for path in sorted(pretrained.glob("*.safetensors")) if pretrained is not None else []:
         digest.update(path.read_bytes())

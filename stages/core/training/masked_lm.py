@@ -31,6 +31,7 @@ from stages.core.data.sampling import TaskStream
 from stages.core.data.tasks import tasks_from_params, tokenized_path
 from stages.core.model.backbone import PROVENANCE_FILE, load_encoder, load_masked_lm, load_tokenizer
 from stages.core.params import Params, as_dict
+from stages.core.runtime import limit_memory_growth
 from stages.core.training.distributed import average_tensor, broadcast, setup_process, shard, shutdown, sync_parameters
 from stages.core.training.optim import LayerwiseLR, layerwise_optimizer
 from stages.core.training.run import Paths, ResumableRun
@@ -45,7 +46,7 @@ def pass_through(params: Params, paths: Paths) -> None:
     save_encoder(encoder, load_tokenizer(params.model.name), paths.model_out,
                  {"backbone": params.model.name, "pretrained": False})
     shutil.rmtree(paths.live_dir, ignore_errors=True)
-    io.write_json(paths.metrics_out, {"enabled": False, "backbone": params.model.name})
+    io.write_metrics(paths.metrics_out, {"enabled": False, "backbone": params.model.name})
 
 
 def save_encoder(encoder, tokenizer, out_dir: Path, provenance: dict) -> None:
@@ -82,8 +83,9 @@ class Pretrainer(ResumableRun):
 
     def __init__(self, params: Params, paths: Paths):
         self.params, self.p = params, params.pretrain
+        limit_memory_growth(params.runtime.onednn_cache, params.runtime.malloc_threshold_mb)
         ranks, device = setup_process(self.p.seed, params.runtime.threads)
-        super().__init__(paths, ranks, device, run_fingerprint(params, paths.tokenized, ranks.world_size))
+        super().__init__(paths, ranks, device, run_fingerprint(params, paths.tokenized, ranks.world_size), self.p.bf16)
         self.tokenizer = load_tokenizer(params.model.name)
         self.vocab = MaskingVocab.from_tokenizer(self.tokenizer)
         self.model, self.head_from_checkpoint = load_masked_lm(params.model.name)
@@ -196,7 +198,7 @@ class Pretrainer(ResumableRun):
         position it would cost about as much as the whole 6-layer encoder.
         """
         corrupted, mask, labels = corrupted.to(self.device), mask.to(self.device), labels.to(self.device)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.p.bf16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             hidden = self.model.base_model(input_ids=corrupted, attention_mask=mask).last_hidden_state
             chosen = labels != IGNORE_INDEX
             logits = self.mlm_head(hidden[chosen])
@@ -268,10 +270,10 @@ class Pretrainer(ResumableRun):
 
 def log_record(live, record: dict) -> None:
     live.step = record["step"]  # the x axis is the optimiser step
-    live.log_metric("held_out/loss", record["loss"])
-    live.log_metric("held_out/perplexity", record["perplexity"])
+    live.log_metric("held_out/loss", io.rounded(record["loss"]))
+    live.log_metric("held_out/perplexity", io.rounded(record["perplexity"]))
     if record["train_loss"] is not None:
-        live.log_metric("train/loss", record["train_loss"])
+        live.log_metric("train/loss", io.rounded(record["train_loss"]))
     live.next_step()
 
 

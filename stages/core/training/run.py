@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from stages.core import io
-from stages.core.runtime import UserError, open_live
+from stages.core.runtime import UserError, open_live, use_bf16
 from stages.core.training.distributed import Ranks, average_gradients, gather
 from stages.core.training.resume import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
@@ -44,6 +44,7 @@ class Paths:
     live_dir: Path
     checkpoints: Path
     pretrained: Path | None = None  # fine-tuning: the `pretrain` stage's output; None starts from model.name
+    snapshots: Path | None = None  # fine-tuning: where each epoch's dev and test prediction dumps go
 
 
 class Stopwatch:
@@ -79,8 +80,10 @@ class ResumableRun:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
-    def __init__(self, paths: Paths, ranks: Ranks, device: torch.device, fingerprint: str):
+    def __init__(self, paths: Paths, ranks: Ranks, device: torch.device, fingerprint: str, bf16: bool | str):
         self.paths, self.ranks, self.device, self.fingerprint = paths, ranks, device, fingerprint
+        self.bf16 = use_bf16(bf16, device)  # `auto` decided once, by the device
+        log.info("bf16 autocast %s (bf16: %s on %s)", "on" if self.bf16 else "off", bf16, device.type)
         self.history: list[dict] = []
         self.running: dict = {}
         self.stopwatch = Stopwatch()
@@ -170,13 +173,14 @@ class ResumableRun:
     def finish(self, summary: dict) -> None:
         """Write the metrics (main rank) and drop the checkpoints: the run is complete."""
         if self.ranks.is_main:
-            io.write_json(self.paths.metrics_out, summary)
+            io.write_metrics(self.paths.metrics_out, summary)
             shutil.rmtree(self.paths.checkpoints, ignore_errors=True)
 
     def speed(self, steps: int, examples: int | None, tokens: int) -> dict:
         """The only part of a summary that differs between identical runs."""
         seconds = max(self.stopwatch.seconds, 1e-9)
-        speed = {"processes": self.ranks.world_size, "train_seconds": round(self.stopwatch.seconds, 1)}
+        speed = {"processes": self.ranks.world_size, "bf16": self.bf16,  # `auto` differs between machines
+                 "train_seconds": round(self.stopwatch.seconds, 1)}
         if examples is None:
             speed["steps_per_second"] = round(steps / seconds, 3)
         else:

@@ -1,0 +1,151 @@
+"""Seed groups, their statistics and bootstrap intervals, per-task epoch choice, ensemble methods and
+candidates, metric rounding and the README's generated results, on hand-made dumps and metrics."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from stages.core import io
+from stages.core.evaluation.ensemble import every_method, method_name, select
+from stages.core.evaluation.predictions import write_dump
+from stages.core.evaluation.report import readme_block, splice
+from stages.core.evaluation.seeds import compare_groups, group_statistics, seed_groups
+from stages.core.params import EnsembleParams
+from stages.core.training.selection import chosen_epochs, chosen_metrics
+from stages.ensemble import candidates
+from tests.conftest import REPO_ROOT, TASKS
+
+SST, QQP, STS = TASKS["sst"], TASKS["qqp"], TASKS["sts"]
+
+
+def options(**overrides) -> EnsembleParams:
+    values = {"method": "greedy", "criterion": "metric", "snapshots": False, "max_members": 9,
+              "with_replacement": True}
+    return EnsembleParams(**{**values, **overrides})
+
+
+def test_variants_differing_only_in_seed_form_a_group():
+    raw = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    raw["models"] = {"base": {}, "seed1": {"train": {"seed": 1}}, "shared": {"model": {"arch": "shared"}},
+                     "shared-s1": {"model": {"arch": "shared"}, "train": {"seed": 1}},
+                     "fast": {"runtime": {"threads": 1}}}  # runtime changes no result: same group
+    assert seed_groups(raw) == {"base": ["base", "seed1", "fast"], "shared": ["shared", "shared-s1"]}
+
+
+def test_group_statistics_equal_a_direct_numpy_computation():
+    rng = np.random.default_rng(0)
+    per_variant = [{"sst": {"accuracy": a, "macro_f1": f}, "qqp": {"accuracy": q, "f1": q},
+                    "sts": {"pearson": p, "spearman": p}, "overall": (a + q + p) / 3}
+                   for a, f, q, p in rng.random((3, 4))]
+    statistics = group_statistics(per_variant, TASKS)
+    accuracies = np.array([v["sst"]["accuracy"] for v in per_variant])
+    assert statistics["sst"]["accuracy"] == pytest.approx({"mean": accuracies.mean(), "std": accuracies.std(ddof=1),
+                                                          "min": accuracies.min(), "max": accuracies.max()})
+    overall = np.array([v["overall"] for v in per_variant])
+    assert statistics["overall"]["std"] == pytest.approx(overall.std(ddof=1))
+    assert group_statistics(per_variant[:1], TASKS)["sts"]["pearson"]["std"] == 0.0
+
+
+def binary_predictions(labels: np.ndarray, accuracy: float, rng) -> np.ndarray:
+    """P(label 1) that is right on a random `accuracy` share of the rows."""
+    right = rng.random(len(labels)) < accuracy
+    return np.where(right == (labels == 1), 0.9, 0.1)
+
+
+def bootstrap_case(accuracy_a: float, accuracy_b: float, rows: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    labels = {"qqp": rng.integers(0, 2, rows).astype(float)}
+    group_a = {"qqp": [binary_predictions(labels["qqp"], accuracy_a, rng) for _ in range(3)]}
+    group_b = {"qqp": [binary_predictions(labels["qqp"], accuracy_b, rng) for _ in range(3)]}
+    return compare_groups({"qqp": QQP}, group_a, group_b, labels, resamples=400, confidence=0.95)["qqp"]
+
+
+def test_bootstrap_interval_covers_the_true_difference_and_excludes_zero_for_a_clear_winner():
+    clear = bootstrap_case(0.85, 0.75, rows=2000, seed=1)  # true difference 0.10
+    assert clear["low"] < 0.10 < clear["high"] and clear["excludes_zero"]
+    assert clear["low"] < clear["difference"] < clear["high"]
+    covered = [case["low"] <= 0.0 <= case["high"] for case in (bootstrap_case(0.8, 0.8, 1000, s) for s in range(10))]
+    assert sum(covered) >= 8  # no true difference: the 95% interval holds 0 in (nearly) every case
+
+
+def test_bootstrap_is_deterministic_and_overall_averages_the_tasks():
+    rng = np.random.default_rng(3)
+    labels = {"qqp": rng.integers(0, 2, 300).astype(float), "sts": rng.random(300) * 5}
+    a = {"qqp": [binary_predictions(labels["qqp"], 0.8, rng)], "sts": [labels["sts"] + rng.normal(0, 1, 300)]}
+    b = {"qqp": [binary_predictions(labels["qqp"], 0.7, rng)], "sts": [labels["sts"] + rng.normal(0, 2, 300)]}
+    tasks = {"qqp": QQP, "sts": STS}
+    first = compare_groups(tasks, a, b, labels, resamples=200, confidence=0.9)
+    assert first == compare_groups(tasks, a, b, labels, resamples=200, confidence=0.9)
+    mean_difference = (first["qqp"]["difference"] + first["sts"]["difference"]) / 2
+    assert first["overall"]["difference"] == pytest.approx(mean_difference)
+
+
+def history(*scores) -> list[dict]:
+    """Epoch records with the headline metrics (sst accuracy, qqp accuracy, sts pearson) given per epoch."""
+    records = []
+    for sst, qqp, sts in scores:
+        dev = {"sst": {"accuracy": sst, "macro_f1": 0.0}, "qqp": {"accuracy": qqp, "f1": 0.0},
+               "sts": {"pearson": sts, "spearman": 0.0}}
+        records.append({"dev": {**dev, "overall": (sst + qqp + sts) / 3}})
+    return records
+
+
+def test_each_task_keeps_its_own_best_epoch_or_all_the_best_overall():
+    epochs = history((0.40, 0.80, 0.85), (0.50, 0.79, 0.86), (0.47, 0.82, 0.87))
+    assert chosen_epochs(epochs, TASKS, "task") == {"sst": 2, "qqp": 3, "sts": 3}
+    assert chosen_epochs(epochs, TASKS, "overall") == {"sst": 3, "qqp": 3, "sts": 3}
+    dev = chosen_metrics(epochs, TASKS, {"sst": 2, "qqp": 3, "sts": 3})
+    assert dev["overall"] == pytest.approx((0.50 + 0.82 + 0.87) / 3) and dev["sst"]["accuracy"] == 0.50
+    tie = history((0.5, 0.8, 0.8), (0.5, 0.8, 0.8))
+    assert chosen_epochs(tie, TASKS, "task") == {"sst": 1, "qqp": 1, "sts": 1}  # a tie keeps the earlier epoch
+
+
+def test_uniform_averages_every_candidate_and_smooth_greedy_uses_log_loss():
+    labels = np.array([1, 0, 1, 0, 1, 1], dtype=float)
+    predictions = {"a": np.array([0.9, 0.1, 0.6, 0.4, 0.9, 0.9]), "b": np.array([0.6, 0.4, 0.9, 0.1, 0.6, 0.6]),
+                   "c": np.array([0.55, 0.45, 0.55, 0.45, 0.55, 0.55])}
+    uniform = select(QQP, predictions, labels, options(method="uniform"))
+    assert uniform.members == ["a", "b", "c"]
+    # All three are 100% accurate: the metric cannot tell them apart, the log-loss can.
+    by_metric = select(QQP, predictions, labels, options(max_members=1))
+    by_loss = select(QQP, predictions, labels, options(criterion="smooth", max_members=1))
+    assert by_metric.members == ["a"] and by_loss.members == ["a"]
+    assert by_loss.score == pytest.approx(-QQP.kind.smooth_loss(predictions["a"], labels))
+    two = select(QQP, predictions, labels, options(criterion="smooth", max_members=3))
+    assert "c" not in two.members  # a near-0.5 member only raises the log-loss
+    assert [method_name(m) for m in every_method(options())] == [
+        "uniform", "greedy-metric", "greedy-smooth", "uniform+snapshots", "greedy-metric+snapshots",
+        "greedy-smooth+snapshots"]
+
+
+def test_snapshots_enter_the_candidates_only_when_enabled(tmp_path):
+    ids = np.array(["a", "b", "c"], dtype=object)
+    for variant, chosen in (("base", 2), ("seed1", 1)):
+        write_dump(tmp_path / "predictions" / variant, QQP, "dev", ids, np.array([0.1, 0.5, 0.9]))
+        for epoch in (1, 2):
+            write_dump(tmp_path / "snapshots" / variant / f"epoch-{epoch}", QQP, "dev", ids[::-1],
+                       np.array([0.3, 0.2, epoch / 10]))
+        io.write_json(tmp_path / "snapshots" / variant / "chosen.json", {"qqp": chosen})
+    plain = candidates(tmp_path / "predictions", tmp_path / "snapshots", ["base", "seed1"], QQP, "dev", ids, False)
+    assert sorted(plain) == ["base", "seed1"]
+    with_snapshots = candidates(tmp_path / "predictions", tmp_path / "snapshots", ["base", "seed1"], QQP, "dev", ids,
+                                True)
+    # each variant's other epochs join; the kept epoch is the variant's own dump already
+    assert sorted(with_snapshots) == ["base", "base@epoch-1", "seed1", "seed1@epoch-2"]
+    assert with_snapshots["base@epoch-1"].tolist() == [0.1, 0.2, 0.3]  # aligned to the ids' order
+
+
+def test_metrics_are_stored_at_four_significant_digits(tmp_path):
+    io.write_metrics(tmp_path / "m.json", {"r": 0.8634110420920248, "n": 3047, "l": [1234.5678, 1e-7], "s": "x"})
+    assert json.loads((tmp_path / "m.json").read_text()) == {"r": 0.8634, "n": 3047, "l": [1235.0, 1e-7], "s": "x"}
+    io.write_metrics(tmp_path / "again.json", {"r": 0.8634110420920249, "n": 3047, "l": [1234.5678, 1e-7], "s": "x"})
+    assert (tmp_path / "m.json").read_bytes() == (tmp_path / "again.json").read_bytes()
+
+
+def test_readme_results_are_generated_from_the_committed_metrics():
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    assert splice(readme, readme_block(Path(REPO_ROOT / "metrics"))) == readme, (
+        "README results are stale: run `python -m stages.core.evaluation.report`")
