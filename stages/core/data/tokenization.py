@@ -29,7 +29,7 @@ class EncodingStats:
 
 def encode_rows(tokenizer, rows, task: Task, *, max_length: int, batch_size: int,
                 label: str = "") -> tuple[pa.Table, EncodingStats]:
-    """Encode the kept rows of one split into an Arrow table; label is for the progress bar."""
+    """Encode the kept rows of one split into an Arrow table; label names the progress bar (none without)."""
     texts = [rows[column].tolist() for column in task.text_columns]
     raw_lengths = [_token_counts(tokenizer, column, batch_size) for column in texts]
     columns = {"id": pa.array(rows["id"].tolist(), pa.string())}
@@ -45,7 +45,7 @@ def encode_rows(tokenizer, rows, task: Task, *, max_length: int, batch_size: int
         specials_pair = tokenizer.num_special_tokens_to_add(pair=True)
         stats.truncated = int(np.sum(raw_lengths[0] + raw_lengths[1] + specials_pair > max_length))
         for name, column, lengths in zip(SINGLE_IDS_COLUMNS, texts, raw_lengths, strict=True):
-            alone = _encode(tokenizer, [column], max_length, batch_size, f"{label} {name}")
+            alone = _encode(tokenizer, [column], max_length, batch_size, label and f"{label} {name}")
             columns[name] = pa.array(alone["input_ids"], TOKEN_LIST)
             stats.truncated_sentences += int(np.sum(lengths + specials_single > max_length))
     else:
@@ -66,7 +66,7 @@ def _encode(tokenizer, texts: Sequence[list[str]], max_length: int, batch_size: 
     out: dict[str, list[list[int]]] = {"input_ids": [], "token_type_ids": []}
     total = len(texts[0])
     for batch in tqdm(_batches(texts, batch_size), total=-(-total // batch_size),
-                             desc=f"tokenize {label}".strip(), unit="batch", leave=False):
+                             desc=f"tokenize {label}", unit="batch", leave=False, disable=not label):
         encoding = tokenizer(*batch, truncation="longest_first" if len(batch) == 2 else True,
                              max_length=max_length, return_attention_mask=False,
                              return_token_type_ids=True)
