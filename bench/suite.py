@@ -246,9 +246,10 @@ def report(f: dict) -> None:
     for name in ("default", "default_bf16"):
         print(f"1. train speed-up {name} / naive: {f['train_speedup'][name]:.2f}x "
               f"{verdict(f['train_speedup'][name], TARGETS['train_speedup'], True)}")
-    best = max(t["default"]["fraction_of_peak"], t["default_bf16"]["fraction_of_peak"])
-    print(f"2. best fraction of its precision's matmul peak: {best:.1%} "
-          f"{verdict(best, TARGETS['peak_fraction'], True)}")
+    # the defaults' figure: a forced bf16 on a CPU that emulates it beats its own (meaningless) peak
+    fraction = t["default"]["fraction_of_peak"]
+    print(f"2. defaults' fraction of the {t['default']['precision']} matmul peak: {fraction:.1%} "
+          f"{verdict(fraction, TARGETS['peak_fraction'], True)}")
     print(f"3. SMART(K=1) / plain step time: {f['smart_ratio']:.2f}x "
           f"{verdict(f['smart_ratio'], TARGETS['smart_ratio'], False)}; random mode / plain: "
           f"{f['smart_random_ratio']:.2f}x {verdict(f['smart_random_ratio'], TARGETS['smart_random_ratio'], False)}")

@@ -154,3 +154,23 @@ def test_auto_bf16_follows_the_devices_native_support():
     cpu = torch.device("cpu")
     assert use_bf16(True, cpu) and not use_bf16(False, cpu)
     assert use_bf16("auto", cpu) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def test_memory_caps_reach_onednn_and_glibc_before_any_work():
+    """In a fresh process (mallopt changes the whole process): the oneDNN capacity is in the environment
+    oneDNN reads, glibc accepts the threshold (limit_memory_growth raises if mallopt refuses it), and a
+    bf16 training step still runs."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, torch\n"
+        "from stages.core.runtime import limit_memory_growth\n"
+        "limit_memory_growth(onednn_cache=8, malloc_threshold_mb=1)\n"
+        "assert os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'] == '8'\n"
+        "layer = torch.nn.Linear(64, 64)\n"
+        "with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+        "    layer(torch.randn(4, 64)).sum().backward()\n"
+        "print('ok')\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

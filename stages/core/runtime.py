@@ -52,8 +52,10 @@ def limit_memory_growth(onednn_cache: int, malloc_threshold_mb: int) -> None:
         libc = ctypes.CDLL("libc.so.6")
         size = malloc_threshold_mb * 2 ** 20
         # blocks above `size` get their own mapping, returned on free; free heap above it is trimmed
-        libc.mallopt(M_MMAP_THRESHOLD, size)
-        libc.mallopt(M_TRIM_THRESHOLD, size)
+        for parameter in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD):
+            if libc.mallopt(parameter, size) != 1:
+                raise UserError(f"runtime.malloc_threshold_mb: glibc's mallopt refused {malloc_threshold_mb} MB; "
+                                "expected a size it accepts, or 0 to leave glibc's default")
 
 
 def use_bf16(setting: bool | str, device) -> bool:
