@@ -34,7 +34,8 @@ from stages.core.data.tokenization import encode_rows
 from stages.core.evaluation.ensemble import average
 from stages.core.evaluation.evaluate import predict_split
 from stages.core.model.architectures import SHARED_DIR
-from stages.core.model.saved import ModelFolderError, load_model
+from stages.core.model.backbone import load_tokenizer
+from stages.core.model.saved import ModelFolderError, epoch_dir, load_model
 from stages.core.runtime import UserError
 
 Text = str | Sequence[str]  # one sentence, or a pair
@@ -95,14 +96,13 @@ class Predictor:
 
     @classmethod
     def load(cls, model_dir: Path | str, **options) -> Predictor:
-        """From `models/<variant>/` (the tokenizer is the one saved with its encoder)."""
-        from transformers import AutoTokenizer
-
+        """From `models/<variant>/` (the tokenizer is the one saved with its encoder, loaded as `tokenize`
+        loads the backbone's)."""
         model, config = load_model(Path(model_dir))
         folder = Path(model_dir)
         if "task_epochs" in config:
-            folder = folder / f"epoch-{min(config['task_epochs'].values())}"
-        return cls(model, config["params"], AutoTokenizer.from_pretrained(folder / SHARED_DIR), **options)
+            folder = folder / epoch_dir(min(config["task_epochs"].values()))
+        return cls(model, config["params"], load_tokenizer(str(folder / SHARED_DIR)), **options)
 
     def task(self, name: str) -> Task:
         if name not in self.tasks:
