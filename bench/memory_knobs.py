@@ -1,6 +1,6 @@
 """Peak memory and speed of training under `runtime.onednn_cache` and `runtime.malloc_threshold_mb`.
 
-    python -m bench.memory_knobs [--steps 200] [--rounds 2]
+    python -m bench.memory_knobs [--steps 200] [--rounds 2] [--only "malloc 16 MB" ...]
 
 Each configuration trains the default variant for `--steps` steps in a fresh process
 (bench/train_memory.py: steps, a dev evaluation, a checkpoint); the configurations alternate, round
@@ -19,7 +19,8 @@ import typer
 app = typer.Typer(add_completion=False)
 
 # name -> (runtime.onednn_cache, runtime.malloc_threshold_mb); 0 leaves the library's default
-CONFIGURATIONS = {"neither": (0, 0), "onednn cache 8": (8, 0), "malloc 1 MB": (0, 1), "both": (8, 1)}
+CONFIGURATIONS = {"neither": (0, 0), "onednn cache 8": (8, 0), "malloc 1 MB": (0, 1), "malloc 16 MB": (0, 16),
+                  "both": (8, 1)}
 
 
 def measure(steps: int, onednn_cache: int, malloc_threshold_mb: int) -> dict:
@@ -30,10 +31,15 @@ def measure(steps: int, onednn_cache: int, malloc_threshold_mb: int) -> dict:
 
 
 @app.command()
-def main(steps: int = typer.Option(200), rounds: int = typer.Option(2)) -> None:
-    results: dict[str, list[dict]] = {name: [] for name in CONFIGURATIONS}
+def main(steps: int = typer.Option(200), rounds: int = typer.Option(2),
+         only: list[str] = typer.Option(list(CONFIGURATIONS), help="configurations to run; `neither` always")) -> None:
+    unknown = sorted(set(only) - set(CONFIGURATIONS))
+    if unknown:
+        raise typer.BadParameter(f"unknown configuration(s) {unknown}; expected some of {list(CONFIGURATIONS)}")
+    chosen = {name: knobs for name, knobs in CONFIGURATIONS.items() if name in only or name == "neither"}
+    results: dict[str, list[dict]] = {name: [] for name in chosen}
     for round_index in range(rounds):
-        for name, knobs in CONFIGURATIONS.items():
+        for name, knobs in chosen.items():
             results[name].append(measure(steps, *knobs))
             print(f"round {round_index + 1} {name}: {results[name][-1]}", flush=True)
     base = results["neither"]

@@ -224,3 +224,23 @@ def test_pcgrad_trains_joint_steps_with_gradient_accumulation(tmp_path, tiny_bac
     surgery, plain = final_heads("pcgrad", "pcgrad"), final_heads("plain", "plain")
     assert all(torch.isfinite(v).all() for v in surgery.values())
     assert any(not torch.equal(surgery[k], plain[k]) for k in plain)
+
+
+def test_a_batch_run_in_pieces_under_max_batch_tokens_gives_the_whole_batchs_gradient(tmp_path, tiny_backbone,
+                                                                                     tiny_tokenized):
+    runs, gradients = {}, {}
+    for budget in (0, 8):  # 8 tokens: every row of the tiny data is a piece of its own
+        run = trainer(tmp_path / str(budget), tiny_backbone, tiny_tokenized, train={"max_batch_tokens": budget})
+        run.model.eval()  # no dropout, so the pieces compute exactly what the whole batch does
+        run.forward_backward(("qqp",))
+        runs[budget] = run
+        gradients[budget] = {name: p.grad for name, p in run.model.named_parameters() if p.grad is not None}
+    rows = np.arange(4)
+    assert len(runs[0].micro_batches("qqp", rows)) == 1 and len(runs[8].micro_batches("qqp", rows)) == 4
+    assert gradients[8].keys() == gradients[0].keys() and gradients[0]
+    for name, gradient in gradients[0].items():
+        torch.testing.assert_close(gradients[8][name], gradient, rtol=1e-4, atol=1e-6, msg=name)
+    whole, pieces = runs[0].running, runs[8].running
+    assert pieces["batches"] == whole["batches"] == {"sst": 0, "qqp": 1, "sts": 0}
+    assert pieces["examples"] == whole["examples"] == 4
+    assert pieces["loss_sum"]["qqp"] == pytest.approx(whole["loss_sum"]["qqp"], rel=1e-5)

@@ -221,6 +221,7 @@ class TrainParams:
     temperature: float = _bounded(gt=0.0)  # for sampler: temperature (p ~ n^(1/T))
     bucket_batches: int = _bounded(ge=1)  # batches per length-sorting window; 1 turns bucketing off
     max_examples: int = _bounded(ge=0)  # per task and split, for quick runs; 0 uses all
+    max_batch_tokens: int = _bounded(ge=0)  # a longer batch runs in pieces, gradients summed; 0 = never split
     bf16: Bf16
     nproc: int = _bounded(ge=1)  # processes on this machine; > 1 relaunches the stage through torchrun
     gradient: Literal["plain", "pcgrad"]  # pcgrad: gradient surgery across the tasks of a joint step

@@ -39,8 +39,9 @@ def _epochs(spread: dict) -> str:
     return f"{low}" if low == high else f"{low}-{high}"
 
 
-def _cell(spread: dict) -> str:
-    return f"{spread['mean']:.3f} ± {spread['std']:.3f}"
+def _cell(spread: dict, seeds: int) -> str:
+    """`mean ± std` over the seeds; the mean alone for one seed, which has no spread to show."""
+    return f"{spread['mean']:.3f} ± {spread['std']:.3f}" if seeds > 1 else f"{spread['mean']:.3f}"
 
 
 def results_table(stats: dict, ensemble: dict) -> str:
@@ -50,10 +51,12 @@ def results_table(stats: dict, ensemble: dict) -> str:
     header = " | ".join(f"{name} {metric}" for name, metric in tasks.items())
     lines = [f"| model | {header} | overall |", "|---|" + "---|" * (len(tasks) + 1)]
     for group, entry in stats["groups"].items():
-        cells = " | ".join(_cell(entry["dev"][name][metric]) for name, metric in tasks.items())
+        seeds = len(entry["variants"])
+        cells = " | ".join(_cell(entry["dev"][name][metric], seeds) for name, metric in tasks.items())
         epochs = ", ".join(f"{name} {_epochs(entry['epochs'][name])}" for name in tasks)
-        lines.append(f"| `{group}`: {len(entry['variants'])} seed(s), single model, mean ± std "
-                     f"(epochs kept: {epochs}) | {cells} | {_cell(entry['dev']['overall'])} |")
+        spread = "mean ± std" if seeds > 1 else "no seed spread"
+        lines.append(f"| `{group}`: {seeds} seed(s), single model, {spread} "
+                     f"(epochs kept: {epochs}) | {cells} | {_cell(entry['dev']['overall'], seeds)} |")
     cells = " | ".join(f"{ensemble[name][metric]:.3f}" for name, metric in tasks.items())
     lines.append(f"| ensemble `{ensemble['method']}` (default), chosen on dev | {cells} | {ensemble['overall']:.3f} |")
     for method, scores in ensemble["methods"].items():

@@ -81,9 +81,10 @@ class Trainer(ResumableRun):
                                      else load_split(paths.tokenized, task, "dev"),
                                      "test": load_split(paths.tokenized, task, "test")}
                               for name, task in self.tasks.items()} if paths.snapshots and self.ranks.is_main else {}
-        self.streams = {name: TaskStream(split.lengths(self.model.encoding(name)), self.p.batch_size[name],
+        self.row_lengths = {name: split.lengths(self.model.encoding(name)) for name, split in self.train_data.items()}
+        self.streams = {name: TaskStream(self.row_lengths[name], self.p.batch_size[name],
                                          self.p.bucket_batches, self.p.seed, index)
-                        for index, (name, split) in enumerate(self.train_data.items())}
+                        for index, name in enumerate(self.train_data)}
         self.steps_per_epoch = len(self.schedule(0))
         updates_per_epoch = math.ceil(self.steps_per_epoch / self.p.grad_accum)
         num_layers = self.model.encoder.config.num_hidden_layers
@@ -163,44 +164,60 @@ class Trainer(ResumableRun):
 
     def forward_backward(self, tasks: tuple[str, ...]) -> None:
         """One step's losses, backpropagated (scaled for gradient accumulation) into the .grad fields."""
-        per_task = []
+        per_task = []  # pcgrad: each task's gradient, averaged over the ranks
         for task in tasks:
             global_rows = self.streams[task].next()  # the same on every rank
             rows = shard(global_rows, self.ranks)
-            # Each rank's batch-mean loss, weighted by its share, so the average over ranks is the global mean.
-            share = len(rows) * self.ranks.world_size / len(global_rows)
-            loss = self.task_loss(task, rows) * share if len(rows) else None
-            if self.p.gradient == "pcgrad":  # each task's gradient now, so only one graph is alive at a time
-                gradient = flat_gradient(loss / self.p.grad_accum, self.trainable()) if loss is not None \
-                    else torch.zeros(sum(p.numel() for p in self.trainable()), device=self.device)
+            gradient = None
+            for piece in self.micro_batches(task, rows):
+                # Each piece's mean loss, weighted by its share of the global batch, so that the sum over
+                # pieces and ranks is the global batch mean.
+                share = len(piece) * self.ranks.world_size / len(global_rows)
+                loss = self.task_loss(task, piece, len(piece) / len(rows)) * share / self.p.grad_accum
+                if self.p.gradient == "pcgrad":  # one graph alive at a time
+                    piece_gradient = flat_gradient(loss, self.trainable())
+                    gradient = piece_gradient if gradient is None else gradient + piece_gradient
+                else:
+                    loss.backward()  # frees the piece's activations before the next piece runs
+            if len(rows):
+                self.running["batches"][task] += 1
+            if self.p.gradient == "pcgrad":
+                if gradient is None:  # this rank's shard of the batch is empty
+                    gradient = torch.zeros(sum(p.numel() for p in self.trainable()), device=self.device)
                 per_task.append(average_tensor(gradient, self.ranks))  # project the global gradients
-            elif loss is not None:
-                per_task.append(loss)
         if self.p.gradient == "pcgrad":
             order = np.random.default_rng([self.p.seed, 4099, self.epoch, self.step_in_epoch])
             accumulate(self.trainable(), sum(project_conflicts(per_task, order)))
-        elif per_task:
-            (sum(per_task) / self.p.grad_accum).backward()
 
-    def task_loss(self, task: str, rows: np.ndarray) -> torch.Tensor:
+    def micro_batches(self, task: str, rows: np.ndarray) -> list[np.ndarray]:
+        """`rows` in pieces of at most `train.max_batch_tokens` padded tokens (0: one piece). A batch of long
+        sentences otherwise holds all its activations at once, and those few batches set training's memory
+        peak. The pieces' gradients add up to the batch's; only the dropout masks are drawn differently."""
+        if not self.p.max_batch_tokens or len(rows) <= 1:
+            return [rows] if len(rows) else []
+        padded_tokens = len(rows) * int(self.row_lengths[task][rows].max())
+        return np.array_split(rows, min(len(rows), math.ceil(padded_tokens / self.p.max_batch_tokens)))
+
+    def task_loss(self, task: str, rows: np.ndarray, weight: float) -> torch.Tensor:
+        """The mean loss of `rows` of a task; `weight` is their share of this rank's batch, for the
+        running means."""
         batch = {k: v.to(self.device) for k, v in self.train_data[task].batch(rows, self.model.encoding(task)).items()}
         result = self.objective(self.model, task, batch)
         self.check_finite(result.total, f"{task} loss", f"at epoch {self.epoch + 1} step {self.step_in_epoch + 1}",
                           "Lower train.lr or turn off train.bf16.")
-        self.count(task, rows, batch, result)
+        self.count(task, rows, batch, result, weight)
         return result.total
 
-    def count(self, task: str, rows, batch: dict[str, torch.Tensor], result: BatchLoss) -> None:
+    def count(self, task: str, rows, batch: dict[str, torch.Tensor], result: BatchLoss, weight: float) -> None:
         running = self.running
-        running["loss_sum"][task] += result.task_loss
-        running["batches"][task] += 1
+        running["loss_sum"][task] += result.task_loss * weight
         running["examples"] += len(rows)
         running["tokens"] += int(sum(v.sum() for k, v in batch.items() if k.startswith("attention_mask")))
         for name in REGULARISERS:
             value = getattr(result, name)
             if value is not None:
                 total, count = running["regularisers"].get(f"{task}/{name}", (0.0, 0))
-                running["regularisers"][f"{task}/{name}"] = (total + value, count + 1)
+                running["regularisers"][f"{task}/{name}"] = (total + value * weight, count + weight)
 
     def update(self) -> None:
         # pcgrad averaged each task's gradient over the ranks before projecting

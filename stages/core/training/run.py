@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import resource
 import shutil
 import time
 from collections.abc import Iterator
@@ -187,4 +188,6 @@ class ResumableRun:
             speed["seconds_per_step"] = round(self.stopwatch.seconds / steps, 4)
             speed["examples_per_second"] = round(examples / seconds, 2)
         speed["tokens_per_second"] = round(tokens / seconds, 1)
+        # this process's peak since it started (after a resume: since the resume), Linux reports KiB
+        speed["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)
         return speed
