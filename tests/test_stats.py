@@ -11,7 +11,7 @@ import yaml
 from stages.core import io
 from stages.core.evaluation.ensemble import every_method, method_name, select
 from stages.core.evaluation.predictions import write_dump
-from stages.core.evaluation.report import readme_block, splice
+from stages.core.evaluation.report import readme_block, results_table, splice
 from stages.core.evaluation.seeds import compare_groups, group_statistics, seed_groups
 from stages.core.params import EnsembleParams
 from stages.core.training.selection import chosen_epochs, chosen_metrics
@@ -149,3 +149,17 @@ def test_readme_results_are_generated_from_the_committed_metrics():
     readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
     assert splice(readme, readme_block(Path(REPO_ROOT / "metrics"))) == readme, (
         "README results are stale: run `python -m stages.core.evaluation.report`")
+
+
+def test_results_rows_show_the_seed_spread_only_where_there_are_seeds():
+    def group(values):
+        spread = {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
+                  "min": min(values), "max": max(values)}
+        return {"variants": [f"s{i}" for i in range(len(values))], "dev": {"sst": {"accuracy": spread},
+                "overall": spread}, "epochs": {"sst": {"mean": 2.0, "std": 0.0, "min": 2, "max": 2}}}
+    stats = {"tasks": {"sst": "accuracy"}, "groups": {"one": group([0.5]), "two": group([0.5, 0.6])}}
+    ensemble = {"sst": {"accuracy": 0.55}, "overall": 0.55, "method": "uniform",
+                "methods": {"uniform": {"sst": 0.54, "overall": 0.54}}}
+    one, two = results_table(stats, ensemble).splitlines()[2:4]
+    assert one == "| `one`: 1 seed(s), single model, no seed spread (epochs kept: sst 2) | 0.500 | 0.500 |"
+    assert two == "| `two`: 2 seed(s), single model, mean ± std (epochs kept: sst 2) | 0.550 ± 0.071 | 0.550 ± 0.071 |"
