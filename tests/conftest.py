@@ -122,12 +122,13 @@ def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, model=None, tr
 
     params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
     params["data"]["raw_dir"] = str(raw_dir)
-    # The plain configuration the tests' expectations are written for (shared encoder, CLS pooling, fp32);
-    # a test that wants another architecture, pooling or bf16 asks for it.
+    # The plain configuration the tests' expectations are written for (shared encoder, CLS pooling, fp32,
+    # cross-encoded pairs); a test that wants another architecture, pooling, encoding or bf16 asks for it.
     params["model"].update(arch="shared")
     params["train"].update(bf16=False)
     for head in params["heads"].values():
         head["pooling"] = "cls"
+    params["heads"]["sts"]["encoding"] = "cross"
     params["model"].update(model or {}, name=str(backbone))
     params["tokenize"]["max_length"] = 32
     params["train"].update(epochs=2, batch_size={"sst": 4, "qqp": 4, "sts": 4}, eval_batch_size=8, bucket_batches=2)

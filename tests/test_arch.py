@@ -244,3 +244,13 @@ def test_a_batch_run_in_pieces_under_max_batch_tokens_gives_the_whole_batchs_gra
     assert pieces["batches"] == whole["batches"] == {"sst": 0, "qqp": 1, "sts": 0}
     assert pieces["examples"] == whole["examples"] == 4
     assert pieces["loss_sum"]["qqp"] == pytest.approx(whole["loss_sum"]["qqp"], rel=1e-5)
+
+
+def test_max_train_examples_caps_one_tasks_training_rows_and_leaves_dev_whole(tmp_path, tiny_backbone, tiny_tokenized):
+    run = trainer(tmp_path, tiny_backbone, tiny_tokenized, train={"max_train_examples": {"sst": 0, "qqp": 5, "sts": 0}})
+    whole = trainer(tmp_path / "whole", tiny_backbone, tiny_tokenized)
+    assert len(run.train_data["qqp"]) == 5 < len(whole.train_data["qqp"])
+    assert list(run.train_data["qqp"].ids) == list(whole.train_data["qqp"].ids[:5])  # the file's first rows
+    assert len(run.train_data["sst"]) == len(whole.train_data["sst"])
+    assert all(len(run.dev_data[task]) == len(whole.dev_data[task]) for task in run.tasks)
+    assert run.steps_per_epoch < whole.steps_per_epoch

@@ -79,7 +79,7 @@ def test_bi_encoder_cosine_sts_is_five_times_the_cosine(params, encoder):
 
 def test_sts_unit_target_predicts_on_0_to_5(params, encoder):
     model = MultitaskModel(encoder, TASKS, {**params.heads, "sts": dataclasses.replace(
-        params.heads["sts"], target="unit")}).eval()
+        params.heads["sts"], encoding="cross", target="unit")}).eval()
     with torch.no_grad():
         out = model("sts", batch_for("cross", [0.0, 5.0]))
     assert ((out > 0) & (out < 1)).all()
@@ -107,6 +107,28 @@ def test_layerwise_lr_decay_gives_the_expected_rates(params, encoder):
     assert decay[id(named["encoders.shared.encoder.layer.0.output.LayerNorm.weight"])] == 0.0
     assert decay[id(named["encoders.shared.encoder.layer.0.output.dense.bias"])] == 0.0
     assert decay[id(named["encoders.shared.encoder.layer.0.output.dense.weight"])] == train.weight_decay
+
+
+def test_task_lr_mult_scales_only_what_its_task_alone_uses(params, tiny_backbone):
+    # cerbertus k = 1 on the 2-layer encoder: layer 0 and the embeddings are shared; sst's top layer is the
+    # shared encoder's own, qqp and sts have copies.
+    model = MultitaskModel(load_encoder(str(tiny_backbone)), TASKS, params.heads, "cerbertus", 1)
+    train = dataclasses.replace(params.train, lr=1e-3, layer_decay=0.5, head_lr_mult=2.0, embedding_lr_factor=1.0,
+                                task_lr_mult={"sst": 0.5, "qqp": 2.0, "sts": 3.0})
+    optimizer, _ = make_optimizer(model, 2, train, total_steps=10)
+    lr_of = {id(parameter): group["initial_lr"] for group in optimizer.param_groups for parameter in group["params"]}
+    named = dict(model.named_parameters())
+
+    def lr(name):
+        return lr_of[id(named[name])]
+
+    assert lr("encoders.shared.encoder.layer.0.attention.self.query.weight") == pytest.approx(5e-4)
+    assert lr("encoders.shared.embeddings.word_embeddings.weight") == pytest.approx(2.5e-4)
+    assert lr("encoders.shared.encoder.layer.1.attention.self.query.weight") == pytest.approx(1e-3 * 0.5)
+    assert lr("encoders.towers.qqp.encoder.layer.1.attention.self.query.weight") == pytest.approx(1e-3 * 2.0)
+    assert lr("encoders.towers.sts.encoder.layer.1.attention.self.query.weight") == pytest.approx(1e-3 * 3.0)
+    assert lr("heads.qqp.net.1.weight") == pytest.approx(2e-3 * 2.0)
+    assert lr("heads.sst.net.1.weight") == pytest.approx(2e-3 * 0.5)
 
 
 def test_embedding_lr_factor_zero_freezes_the_embeddings(params, tiny_backbone):

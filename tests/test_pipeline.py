@@ -33,7 +33,8 @@ FOURTH_TASK = {
                          "text": ["sentence"], "label": "sentiment", "kind": "binary", "metric": "accuracy",
                          "submission": {"file": "cfimdb", "column": "Predicted_Sentiment"}}},
     "heads": {"cfimdb": {"pooling": "mean", "hidden_layers": 1, "dropout": 0.1, "loss_weight": 1.0}},
-    "train": {"batch_size": {"cfimdb": 4}},
+    "train": {"batch_size": {"cfimdb": 4}, "task_lr_mult": {"cfimdb": 1.0},
+              "max_train_examples": {"cfimdb": 0}},
     "smart": {"task_lambda": {"cfimdb": None}},
 }
 TASK_NAMES = ("sst", "qqp", "sts", "cfimdb")

@@ -210,6 +210,7 @@ class TrainParams:
     weight_decay: float = _bounded(ge=0.0)
     layer_decay: float = _bounded(gt=0.0, le=1.0)  # LR factor per encoder layer towards the input
     head_lr_mult: float = _bounded(gt=0.0)
+    task_lr_mult: dict[str, float] = _bounded(gt=0.0)  # per task, on the parameters only that task uses
     embedding_lr_factor: float = _bounded(ge=0.0)  # on top of layer decay; 0 freezes the embeddings
     warmup_fraction: float = _bounded(ge=0.0, lt=1.0)
     schedule: Literal["linear", "cosine", "constant"]
@@ -221,6 +222,7 @@ class TrainParams:
     temperature: float = _bounded(gt=0.0)  # for sampler: temperature (p ~ n^(1/T))
     bucket_batches: int = _bounded(ge=1)  # batches per length-sorting window; 1 turns bucketing off
     max_examples: int = _bounded(ge=0)  # per task and split, for quick runs; 0 uses all
+    max_train_examples: dict[str, int] = _bounded(ge=0)  # per task, the train split only (learning curves); 0 = all
     max_batch_tokens: int = _bounded(ge=0)  # a longer batch runs in pieces, gradients summed; 0 = never split
     bf16: Bf16
     nproc: int = _bounded(ge=1)  # processes on this machine; > 1 relaunches the stage through torchrun
@@ -333,6 +335,8 @@ class Params:
             raise ParamsError(f"data.unescape_ptb: unknown task {unknown[0]!r}; tasks declares {', '.join(self.tasks)}")
         check_heads(self.tasks, self.heads)
         check_task_keys(self.tasks, self.train.batch_size, "train.batch_size")
+        check_task_keys(self.tasks, self.train.task_lr_mult, "train.task_lr_mult")
+        check_task_keys(self.tasks, self.train.max_train_examples, "train.max_train_examples")
         check_task_keys(self.tasks, self.smart.task_lambda, "smart.task_lambda")
 
 

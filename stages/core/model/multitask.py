@@ -44,6 +44,17 @@ class MultitaskModel(nn.Module):
         site = encoder.get_input_embeddings() if where == "words" else encoder.embeddings
         return site, encoder.config.pad_token_id
 
+    def parameter_owners(self) -> dict[str, str]:
+        """The task that alone uses each parameter, by name: its head, and the encoder layers of its own
+        (cerbertus' top layers, independent's whole tower). Parameters that several tasks use are absent."""
+        users: dict[int, set[str]] = {}
+        for task, head in self.heads.items():
+            for module in (*self.encoders.for_task(task), head):
+                for parameter in module.parameters():
+                    users.setdefault(id(parameter), set()).add(task)
+        return {name: next(iter(users[id(parameter)])) for name, parameter in self.named_parameters()
+                if len(users.get(id(parameter), ())) == 1}
+
     @staticmethod
     def _make_head(task: Task, params: HeadParams, dim: int, width: int) -> nn.Module:
         out_dim = task.kind.output_size

@@ -72,7 +72,7 @@ class Trainer(ResumableRun):
         self.model = MultitaskModel(load_encoder(start), self.tasks, params.heads, params.model.arch,
                                     params.model.task_layers).to(self.device)
         sync_parameters(self.model, self.ranks)
-        self.train_data = {name: load_split(paths.tokenized, task, "train", self.p.max_examples)
+        self.train_data = {name: load_split(paths.tokenized, task, "train", self.train_rows(name))
                            for name, task in self.tasks.items()}
         self.dev_data = {name: load_split(paths.tokenized, task, "dev", self.p.max_examples)
                          for name, task in self.tasks.items()}
@@ -93,6 +93,11 @@ class Trainer(ResumableRun):
         self.objective = Objective(self.model, params.smart, self.device, self.bf16, self.p.seed)
         self.epoch, self.step_in_epoch, self.updates = 0, 0, 0
         self.running = self.empty_running()
+
+    def train_rows(self, task: str) -> int:
+        """How many of the task's training rows to train on: the smaller of the caps that are set (0: all)."""
+        caps = [cap for cap in (self.p.max_examples, self.p.max_train_examples[task]) if cap]
+        return min(caps, default=0)
 
     def schedule(self, epoch: int) -> list[tuple[str, ...]]:
         """The tasks of each step of one epoch, by the sampler."""

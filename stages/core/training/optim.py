@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -60,13 +61,15 @@ def no_weight_decay(name: str, parameter: nn.Parameter) -> bool:
     return parameter.ndim < 2 or "LayerNorm" in name or "layer_norm" in name
 
 
-def param_groups(model: nn.Module, num_layers: int, rule: LayerwiseLR) -> list[dict]:
-    """One AdamW group per (LR, weight decay) pair; frozen parameters (LR 0) get requires_grad=False."""
+def param_groups(model: nn.Module, num_layers: int, rule: LayerwiseLR,
+                 multipliers: Mapping[str, float] | None = None) -> list[dict]:
+    """One AdamW group per (LR, weight decay) pair; frozen parameters (LR 0) get requires_grad=False.
+    `multipliers`: a further LR factor for some parameters, by name (fine-tuning's train.task_lr_mult)."""
     groups: dict[tuple[float, float], dict] = {}
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:  # frozen by the arch (static)
             continue
-        scale = lr_scale(name, num_layers, rule)
+        scale = lr_scale(name, num_layers, rule) * (multipliers or {}).get(name, 1.0)
         if scale == 0.0:
             parameter.requires_grad_(False)
             continue
@@ -86,15 +89,17 @@ def adamw(groups: list[dict], lr: float) -> torch.optim.AdamW:
 
 
 def make_optimizer(model: nn.Module, num_layers: int, params: TrainParams, total_steps: int):
-    """Fine-tuning's AdamW and schedule (train.*)."""
+    """Fine-tuning's AdamW and schedule (train.*): the layer-wise rule, and each task's train.task_lr_mult
+    on the parameters only that task uses (a multitask model's `parameter_owners()`)."""
+    multipliers = {name: params.task_lr_mult[task] for name, task in model.parameter_owners().items()}
     return layerwise_optimizer(model, num_layers, LayerwiseLR.for_training(params), params.schedule,
-                               params.warmup_fraction, total_steps)
+                               params.warmup_fraction, total_steps, multipliers)
 
 
 def layerwise_optimizer(model: nn.Module, num_layers: int, rule: LayerwiseLR, schedule: str,
-                        warmup_fraction: float, total_steps: int):
+                        warmup_fraction: float, total_steps: int, multipliers: Mapping[str, float] | None = None):
     """AdamW over the layer-wise groups, and a warmup-then-`schedule` LR scheduler."""
-    groups = param_groups(model, num_layers, rule)
+    groups = param_groups(model, num_layers, rule, multipliers)
     optimizer = adamw([{k: v for k, v in g.items() if k != "names"} for g in groups], rule.lr)
     warmup = int(warmup_fraction * total_steps)
     make_schedule = SCHEDULES[schedule]
