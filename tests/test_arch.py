@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,10 @@ from tests.conftest import REPO_ROOT, TASKS, make_params
 
 @pytest.fixture(scope="module")
 def params():
-    return load_params(REPO_ROOT / "params.yaml")
+    """The repo's params with STS cross-encoded, as the pair batches below are (the default is a bi-encoder)."""
+    params = load_params(REPO_ROOT / "params.yaml")
+    sts = dataclasses.replace(params.heads["sts"], encoding="cross")
+    return dataclasses.replace(params, heads={**params.heads, "sts": sts})
 
 
 @pytest.fixture
