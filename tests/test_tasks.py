@@ -69,6 +69,8 @@ def test_a_new_task_is_a_declaration():
     raw["heads"]["rate"] = {"pooling": "mean", "hidden_layers": 0, "dropout": 0.0, "loss_weight": 1.0,
                             "target": "unit"}
     raw["train"]["batch_size"]["rate"] = 8
+    raw["train"]["task_lr_mult"]["rate"] = 1.0
+    raw["train"]["max_train_examples"]["rate"] = 0
     raw["smart"]["task_lambda"]["rate"] = None
     tasks = tasks_from_params(parse_params(raw).tasks)
     assert list(tasks) == ["sst", "qqp", "sts", "rate"]
@@ -281,6 +283,9 @@ HEAD = {"pooling": "mean", "hidden_layers": 1, "dropout": 0.1, "loss_weight": 1.
 @pytest.mark.parametrize(("key", "value", "message"), [
     ("heads.mnli", HEAD, r"^params: heads.mnli: unknown task; tasks declares sst, qqp, sts$"),
     ("train.batch_size.mnli", 16, r"^params: train.batch_size.mnli: unknown task; tasks declares sst, qqp, sts$"),
+    ("train.task_lr_mult.mnli", 2.0, r"^params: train.task_lr_mult.mnli: unknown task; tasks declares sst, qqp, sts$"),
+    ("train.max_train_examples.mnli", 100,
+     r"^params: train.max_train_examples.mnli: unknown task; tasks declares sst, qqp, sts$"),
     ("smart.task_lambda.mnli", 1.0, r"^params: smart.task_lambda.mnli: unknown task; tasks declares sst, qqp, sts$"),
     ("data.unescape_ptb", ["mnli"], r"^params: data.unescape_ptb: unknown task 'mnli'; tasks declares sst, qqp, sts$"),
 ])
@@ -304,6 +309,10 @@ def test_a_declared_task_needs_an_entry_in_every_per_task_section(raw_params):
     raw["heads"]["cfimdb"] = HEAD
     fails(raw, r"missing key 'train.batch_size.cfimdb'")
     raw["train"]["batch_size"]["cfimdb"] = 8
+    fails(raw, r"missing key 'train.task_lr_mult.cfimdb'")
+    raw["train"]["task_lr_mult"]["cfimdb"] = 1.0
+    fails(raw, r"missing key 'train.max_train_examples.cfimdb'")
+    raw["train"]["max_train_examples"]["cfimdb"] = 0
     fails(raw, r"missing key 'smart.task_lambda.cfimdb'")
     raw["smart"]["task_lambda"]["cfimdb"] = None
     assert list(parse_params(raw).tasks) == ["sst", "qqp", "sts", "cfimdb"]

@@ -65,7 +65,7 @@ EMOTION = {
                       "text": ["text"], "label": "feeling", "kind": "classification", "classes": 3,
                       "metric": "macro_f1", "submission": {"file": "emo", "column": "Predicted_Feeling"}}},
     "heads": {"emo": {"pooling": "mean", "hidden_layers": 0, "dropout": 0.1, "loss_weight": 1.0}},
-    "train": {"batch_size": {"emo": 4}},
+    "train": {"batch_size": {"emo": 4}, "task_lr_mult": {"emo": 1.0}, "max_train_examples": {"emo": 0}},
     "smart": {"task_lambda": {"emo": None}},
 }
 
