@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import resource
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import typer
 from bench.smart_step import scratch_trainer
 from stages.core.evaluation.evaluate import evaluate
 from stages.core.params import variant_params
-from stages.core.runtime import setup_logging
+from stages.core.runtime import peak_rss_gib, setup_logging
 
 app = typer.Typer(add_completion=False)
 
@@ -76,7 +75,7 @@ def main(steps: int = typer.Option(20), variant: str = typer.Option("base"),
         trainer.streams = streams  # the checkpoint saves their positions
         evaluate(trainer.model, trainer.dev_data, trainer.p.eval_batch_size, trainer.device, trainer.bf16)
         trainer.checkpoint()
-    print(json.dumps({"peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 3),
+    print(json.dumps({"peak_rss_gib": round(peak_rss_gib(), 3),
                       "seconds_per_step": round(seconds_per_step, 4)}))
 
 

@@ -58,6 +58,23 @@ def limit_memory_growth(onednn_cache: int, malloc_threshold_mb: int) -> None:
                                 "expected a size it accepts, or 0 to leave glibc's default")
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident memory, in GiB. On Linux it is VmHWM, which counts from the process's
+    own start: getrusage's ru_maxrss also holds the parent's resident memory at fork, carried across exec,
+    so a child of a 3.9 GiB process read 3.9 GiB whatever it did (bench figure 6, 2026-11-24)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2 ** 20  # kB
+    except OSError:
+        pass  # not Linux: the inherited part is the lesser evil
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2 ** 30 if sys.platform == "darwin" else peak / 2 ** 20  # bytes on macOS, KiB elsewhere
+
+
 def use_bf16(setting: bool | str, device) -> bool:
     """Whether to run bf16 autocast: `true`/`false` as set; `auto` where the device computes bf16 natively
     (a GPU with bf16, a CPU with AVX512-BF16 or AMX). Emulated, bf16 is slow: 14.6 s per default training

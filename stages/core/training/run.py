@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import resource
 import shutil
 import time
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 from stages.core import io
-from stages.core.runtime import UserError, open_live, use_bf16
+from stages.core.runtime import UserError, open_live, peak_rss_gib, use_bf16
 from stages.core.training.distributed import Ranks, average_gradients, gather
 from stages.core.training.resume import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
@@ -188,6 +187,5 @@ class ResumableRun:
             speed["seconds_per_step"] = round(self.stopwatch.seconds / steps, 4)
             speed["examples_per_second"] = round(examples / seconds, 2)
         speed["tokens_per_second"] = round(tokens / seconds, 1)
-        # this process's peak since it started (after a resume: since the resume), Linux reports KiB
-        speed["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)
+        speed["peak_rss_gib"] = round(peak_rss_gib(), 2)  # since this process started (after a resume: since it)
         return speed
