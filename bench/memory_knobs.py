@@ -20,7 +20,8 @@ app = typer.Typer(add_completion=False)
 
 # name -> (runtime.onednn_cache, runtime.malloc_threshold_mb); 0 leaves the library's default
 CONFIGURATIONS = {"neither": (0, 0), "onednn cache 8": (8, 0), "malloc 1 MB": (0, 1), "malloc 16 MB": (0, 16),
-                  "both": (8, 1)}
+                  "both": (8, 1), "malloc 16 MB + onednn cache 8": (8, 16),
+                  "malloc 16 MB + onednn cache 64": (64, 16)}
 
 
 def measure(steps: int, onednn_cache: int, malloc_threshold_mb: int) -> dict:
@@ -47,7 +48,7 @@ def main(steps: int = typer.Option(200), rounds: int = typer.Option(2),
     for name, runs in results.items():
         step = sum(r["seconds_per_step"] for r in runs) / rounds
         peak = max(r["peak_rss_gib"] for r in runs)
-        print(f"{name:>15}: peak RSS {peak:.2f} GiB, {step:.3f} s/step = {step / base_step:.3f}x of neither")
+        print(f"{name:>30}: peak RSS {peak:.2f} GiB, {step:.3f} s/step = {step / base_step:.3f}x of neither")
 
 
 if __name__ == "__main__":
