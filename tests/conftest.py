@@ -123,9 +123,10 @@ def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, model=None, tr
     params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
     params["data"]["raw_dir"] = str(raw_dir)
     # The plain configuration the tests' expectations are written for (shared encoder, CLS pooling, fp32,
-    # cross-encoded pairs); a test that wants another architecture, pooling, encoding or bf16 asks for it.
+    # cross-encoded pairs, the raw weights); a test that wants another architecture, pooling, encoding, bf16
+    # or the weights' moving average asks for it.
     params["model"].update(arch="shared")
-    params["train"].update(bf16=False)
+    params["train"].update(bf16=False, ema=0.0)
     for head in params["heads"].values():
         head["pooling"] = "cls"
     params["heads"]["sts"]["encoding"] = "cross"

@@ -128,7 +128,7 @@ def test_smart_lambda_is_keyed_as_in_params_yaml(raw_params):
 
 
 def test_pcgrad_needs_the_joint_sampler(raw_params):
-    raw = with_value(raw_params, "train.gradient", "pcgrad")
+    raw = with_value(with_value(raw_params, "train.sampler", "proportional"), "train.gradient", "pcgrad")
     with pytest.raises(ParamsError, match="train.gradient: pcgrad .* needs sampler: joint .* got sampler: proport"):
         parse_params(raw)
     raw["train"]["sampler"] = "joint"

@@ -223,7 +223,7 @@ def test_smart_off_consumes_no_extra_randomness(model, params, batches):
 
 # --- the Bregman teacher --------------------------------------------------------------------------
 def test_teacher_update_follows_the_formula(model):
-    teacher = EmaTeacher(model, beta=0.9)
+    teacher = EmaTeacher(model, 0.9)
     before = [p.detach().clone() for p in teacher.model.parameters()]
     with torch.no_grad():
         for p in model.parameters():
@@ -235,7 +235,7 @@ def test_teacher_update_follows_the_formula(model):
 
 
 def test_teacher_loss_follows_the_students_mode_and_divergence(model, batches):
-    teacher = EmaTeacher(model, beta=0.9)
+    teacher = EmaTeacher(model, 0.9)
 
     def forward(m):
         return m("sst", batches["sst"])

@@ -176,3 +176,50 @@ def test_each_task_keeps_its_best_epoch_and_the_saved_model_reproduces_its_predi
         snapshot_ids, snapshot = read_dump(tmp_path / "snapshots" / f"epoch-{epoch}", model.tasks[task_name], "dev")
         assert snapshot_ids.tolist() == split.ids.tolist()
         assert np.array_equal(values, snapshot), task_name  # bit for bit
+
+
+def test_the_moving_average_is_the_model_kept_and_resumes_like_an_uninterrupted_run(tmp_path, tiny_backbone,
+                                                                                    tiny_tokenized, monkeypatch):
+    from stages.core.data.batches import load_split
+    from stages.core.evaluation.evaluate import predict_split
+    from stages.core.evaluation.predictions import read_dump
+    from stages.core.model.saved import load_model
+
+    params = variant_params(make_params(tmp_path, tiny_backbone, Path("unused"), train={"ema": 0.5, "lr": 3e-4}),
+                            "base")
+
+    def paths(name: str) -> Paths:
+        return Paths(tokenized=tiny_tokenized, model_out=tmp_path / name / "model",
+                     metrics_out=tmp_path / name / "metrics.json", live_dir=tmp_path / name / "live",
+                     checkpoints=tmp_path / name / "ck", snapshots=tmp_path / name / "snapshots")
+
+    uninterrupted = Trainer(params, "base", paths("a")).run()
+    crashing = Trainer(params, "base", paths("b"))
+    real_update = crashing.update
+
+    def update_then_crash():
+        real_update()
+        if crashing.updates == 5:  # after the checkpoint at update 3, mid-epoch
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(crashing, "update", update_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        crashing.run()
+    resumed = Trainer(params, "base", paths("b")).run()
+    for summary in (uninterrupted, resumed):
+        summary.pop("speed")
+    assert resumed == uninterrupted
+    assert saved_heads(tmp_path / "a" / "model") == saved_heads(tmp_path / "b" / "model")
+
+    # Every epoch logs the raw weights beside the average, and the two differ.
+    epochs = uninterrupted["epochs"]
+    assert all(set(record["dev_raw"]) == set(record["dev"]) for record in epochs)
+    assert any(record["dev_raw"]["sts"]["pearson"] != record["dev"]["sts"]["pearson"] for record in epochs)
+    # What was dumped and kept is the average: the saved model reproduces its epoch's dumps.
+    model, _ = load_model(tmp_path / "a" / "model")
+    for task_name, epoch in uninterrupted["task_epochs"].items():
+        split = load_split(tiny_tokenized, model.tasks[task_name], "dev")
+        values = predict_split(model, split, params.train.eval_batch_size, torch.device("cpu"))
+        _, dumped = read_dump(tmp_path / "a" / "snapshots" / f"epoch-{epoch}", model.tasks[task_name], "dev")
+        assert np.array_equal(values, dumped), task_name
+        assert uninterrupted["dev"][task_name] == epochs[epoch - 1]["dev"][task_name]

@@ -228,6 +228,7 @@ class TrainParams:
     nproc: int = _bounded(ge=1)  # processes on this machine; > 1 relaunches the stage through torchrun
     gradient: Literal["plain", "pcgrad"]  # pcgrad: gradient surgery across the tasks of a joint step
     select: Literal["task", "overall"]  # each task's model from its own best dev epoch, or all from the best overall
+    ema: float = _bounded(ge=0.0, lt=1.0)  # > 0: the moving average of the weights with this decay is the model
 
     def __post_init__(self):
         if self.gradient == "pcgrad" and self.sampler != "joint":

@@ -88,7 +88,9 @@ def variant_card(summary: dict, params: dict, tasks: dict[str, Task], path: str)
             "## Training\n\n"
             f"- {train['epochs']} epochs, lr {train['lr']}, batch {train['batch_size']}, sampler {train['sampler']}, "
             f"weight decay {train['weight_decay']}, layer decay {train['layer_decay']}, seed {train['seed']}, "
-            f"bf16 {train['bf16']}; SMART λ {params['smart']['lambda']}.\n"
+            f"bf16 {train['bf16']}; SMART λ {params['smart']['lambda']}"
+            + (f"; the weights' moving average (decay {train['ema']}) is the model" if train.get("ema") else "")
+            + ".\n"
             f"- Training time: {summary['speed']['train_seconds']:.0f} s on {summary['speed']['processes']} "
             "process(es); all params in `mtbert.json`.\n\n"
             "## Intended use\n\nSentiment (5 classes), paraphrase detection and semantic similarity of short "

@@ -6,7 +6,9 @@ sampler's schedule of task steps (forward and backward per step, an optimiser up
 test predictions (the snapshot dumps the ensemble may use), and the model saved aside if some task's
 dev metric is now at its best (`train.select: task`; `overall` keeps one epoch for all tasks). At the
 end the saved epochs that some task chose become the model folder, the snapshot dumps are published,
-and the summary becomes the metrics file.
+and the summary becomes the metrics file. With `train.ema`, "the model" evaluated, dumped and saved is the
+moving average of the weights, updated after every optimiser step; the raw weights' dev metrics are logged
+beside it (`dev_raw`), so one run compares the two on the same trajectory.
 
 Public interface (the `train` stage, bench/ and the tests use these): `Trainer(params, variant, paths)`,
 `run()`, `schedule(epoch)`, `forward_backward(tasks)`, `update()`, `checkpoint()`, `parameter_count()`,
@@ -32,7 +34,7 @@ from stages.core import io
 from stages.core.data.batches import load_split
 from stages.core.data.sampling import TaskStream, epoch_schedule
 from stages.core.data.tasks import tasks_from_params, tokenized_path
-from stages.core.evaluation.evaluate import predict_split
+from stages.core.evaluation.evaluate import evaluate, predict_split
 from stages.core.evaluation.metrics import headline_summary, overall, task_metrics
 from stages.core.evaluation.predictions import write_dump
 from stages.core.model.backbone import load_encoder, load_tokenizer, starting_point
@@ -41,6 +43,7 @@ from stages.core.model.multitask import MultitaskModel
 from stages.core.model.saved import assemble_model, epoch_dir, save_model
 from stages.core.params import Params, as_dict
 from stages.core.runtime import limit_memory_growth
+from stages.core.training.averaging import MovingAverage
 from stages.core.training.distributed import average_tensor, broadcast, setup_process, shard, shutdown, sync_parameters
 from stages.core.training.objective import BatchLoss, Objective
 from stages.core.training.optim import make_optimizer
@@ -72,6 +75,7 @@ class Trainer(ResumableRun):
         self.model = MultitaskModel(load_encoder(start), self.tasks, params.heads, params.model.arch,
                                     params.model.task_layers).to(self.device)
         sync_parameters(self.model, self.ranks)
+        self.average = MovingAverage(self.model, self.p.ema) if self.p.ema > 0 else None
         self.train_data = {name: load_split(paths.tokenized, task, "train", self.train_rows(name))
                            for name, task in self.tasks.items()}
         self.dev_data = {name: load_split(paths.tokenized, task, "dev", self.p.max_examples)
@@ -112,13 +116,18 @@ class Trainer(ResumableRun):
 
     # --- the state beyond the skeleton's ------------------------------------------------------------
     def loop_state(self) -> dict:
-        return {"streams": {name: stream.state() for name, stream in self.streams.items()}, "epoch": self.epoch,
-                "step_in_epoch": self.step_in_epoch, "updates": self.updates}
+        state = {"streams": {name: stream.state() for name, stream in self.streams.items()}, "epoch": self.epoch,
+                 "step_in_epoch": self.step_in_epoch, "updates": self.updates}
+        if self.average is not None:  # the same on every rank, as the weights are
+            state["average"] = self.average.state_dict()
+        return state
 
     def load_loop_state(self, state: dict) -> None:
         for name, stream in self.streams.items():
             stream.load_state(state["streams"][name])
         self.epoch, self.step_in_epoch, self.updates = state["epoch"], state["step_in_epoch"], state["updates"]
+        if self.average is not None:
+            self.average.load_state_dict(state["average"])
 
     def rank_state(self) -> dict:
         return {"objective": self.objective.state_dict()}  # SMART's noise generator, the teacher
@@ -228,15 +237,24 @@ class Trainer(ResumableRun):
         # pcgrad averaged each task's gradient over the ranks before projecting
         self.optimizer_step(self.p.grad_clip, average=self.p.gradient != "pcgrad")
         self.objective.after_update(self.model)
+        if self.average is not None:
+            self.average.update(self.model)
         self.updates += 1
+
+    @property
+    def evaluated_model(self) -> MultitaskModel:
+        """The model each epoch evaluates, dumps and keeps: the weights' moving average with `train.ema`."""
+        return self.average.model if self.average is not None else self.model
 
     def end_epoch(self, live) -> None:
         """Predict dev (and test, for the snapshot dumps), keep the model if a task is at its best, log,
         checkpoint."""
-        dev = None  # the main rank evaluates; the others wait for its figures
+        dev = dev_raw = None  # the main rank evaluates; the others wait for its figures
         if self.ranks.is_main:
             dev = self.evaluate_and_dump()
-        dev = broadcast(dev, self.ranks)
+            if self.average is not None:
+                dev_raw = evaluate(self.model, self.dev_data, self.p.eval_batch_size, self.device, self.bf16)
+        dev, dev_raw = broadcast((dev, dev_raw), self.ranks)
         self.sum_running_over_ranks()
         running = self.running
         record = {"epoch": self.epoch + 1, "dev": dev,
@@ -246,6 +264,10 @@ class Trainer(ResumableRun):
                   "tokens": running["tokens"], "lr": self.scheduler.get_last_lr()[0],
                   "regularisers": {name: total / count
                                    for name, (total, count) in sorted(running["regularisers"].items())}}
+        if dev_raw is not None:
+            record["dev_raw"] = dev_raw
+            log.info("epoch %d: raw weights' dev overall %.4f  %s", self.epoch + 1, dev_raw["overall"],
+                     headline_summary(dev_raw, self.tasks))
         log.info("epoch %d: dev overall %.4f  %s  batches %s", self.epoch + 1, dev["overall"],
                  headline_summary(dev, self.tasks), record["task_batches"])
         if record["regularisers"]:
@@ -254,7 +276,8 @@ class Trainer(ResumableRun):
         self.history.append(record)
         chosen = chosen_epochs(self.history, self.tasks, self.p.select)
         if self.epoch + 1 in chosen.values() and self.ranks.is_main:
-            save_model(self.model, self.tokenizer, self.saved_epochs / epoch_dir(self.epoch + 1), self.model_config())
+            save_model(self.evaluated_model, self.tokenizer, self.saved_epochs / epoch_dir(self.epoch + 1),
+                       self.model_config())
         self.epoch, self.step_in_epoch, self.running = self.epoch + 1, 0, self.empty_running()
         self.checkpoint()
         if self.ranks.is_main:  # only after the checkpoint, which still names what a resumed run needs
@@ -267,12 +290,13 @@ class Trainer(ResumableRun):
         (kept with the checkpoint until the run ends: `dvc repro` clears a stage's outputs before it runs)."""
         directory = self.snapshot_dumps / epoch_dir(self.epoch + 1)
         dev = {}
+        model = self.evaluated_model
         for name, split in self.dev_data.items():
-            values = predict_split(self.model, split, self.p.eval_batch_size, self.device, self.bf16)
+            values = predict_split(model, split, self.p.eval_batch_size, self.device, self.bf16)
             dev[name] = task_metrics(split.task, values, split.labels)
             for split_name, data in self.snapshot_data.get(name, {}).items():
                 if data is not split:
-                    values = predict_split(self.model, data, self.p.eval_batch_size, self.device, self.bf16)
+                    values = predict_split(model, data, self.p.eval_batch_size, self.device, self.bf16)
                 write_dump(directory, data.task, split_name, data.ids, values)
         dev["overall"] = overall(dev, self.tasks)
         return dev
@@ -328,6 +352,7 @@ class Trainer(ResumableRun):
                 "epochs": [{"epoch": r["epoch"], "dev": r["dev"],
                             "train_loss": r["train_loss"], "task_batches": r["task_batches"],
                             "examples": r["examples"],
+                            **({"dev_raw": r["dev_raw"]} if "dev_raw" in r else {}),
                             **({"regularisers": r["regularisers"]} if r["regularisers"] else {})}
                            for r in self.history],
                 "parameters": self.parameter_count(),
@@ -337,15 +362,18 @@ class Trainer(ResumableRun):
 
 def log_epoch(live, record: dict) -> None:
     live.step = record["epoch"]  # the x axis counts epochs from 1, as the logs and metrics do
-    for task, metrics in record["dev"].items():
-        if task == "overall":
-            continue
-        for metric, value in metrics.items():
-            live.log_metric(f"dev/{task}/{metric}", io.rounded(value))
-        live.log_metric(f"train/{task}/loss", io.rounded(record["train_loss"][task]))
+    for task, loss in record["train_loss"].items():
+        live.log_metric(f"train/{task}/loss", io.rounded(loss))
     for name, value in record["regularisers"].items():
         live.log_metric(f"train/{name}", io.rounded(value))
-    live.log_metric("dev/overall", io.rounded(record["dev"]["overall"]))
+    for split in ("dev", "dev_raw"):  # dev_raw: the raw weights beside their moving average (train.ema)
+        for task, metrics in record.get(split, {}).items():
+            if task == "overall":
+                continue
+            for metric, value in metrics.items():
+                live.log_metric(f"{split}/{task}/{metric}", io.rounded(value))
+        if split in record:
+            live.log_metric(f"{split}/overall", io.rounded(record[split]["overall"]))
     live.next_step()
 
 

@@ -38,9 +38,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from stages.core.params import SmartParams
+from stages.core.training.averaging import MovingAverage
 
 Forward = Callable[[nn.Module], torch.Tensor]  # runs one model on the current batch, in loss space
 
@@ -259,24 +259,9 @@ class Smart:
 
 
 # --- the Bregman proximal-point teacher ---------------------------------------------------------
-class EmaTeacher:
-    """theta_teacher <- beta * theta_teacher + (1 - beta) * theta, without gradients, after every update.
-
-    torch's AveragedModel does the averaging; its first update copies the weights, so the teacher
-    starts as the student and every later update is the moving average.
-    """
-
-    def __init__(self, model: nn.Module, beta: float):
-        self.averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(beta))
-        self.averaged.requires_grad_(False)
-        self.averaged.update_parameters(model)
-
-    @property
-    def model(self) -> nn.Module:
-        return self.averaged.module
-
-    def update(self, student: nn.Module) -> None:
-        self.averaged.update_parameters(student)
+class EmaTeacher(MovingAverage):
+    """theta_teacher <- beta * theta_teacher + (1 - beta) * theta, without gradients, after every update;
+    the teacher starts as the student."""
 
     def loss(self, student: nn.Module, task: str, forward: Forward, student_outputs: torch.Tensor,
              replay: RngReplay) -> torch.Tensor:
@@ -285,9 +270,3 @@ class EmaTeacher:
         with torch.no_grad(), replay.replayed():
             teacher_outputs = forward(self.model)
         return student.divergence(task, student_outputs, teacher_outputs).mean()
-
-    def state_dict(self) -> dict:
-        return self.averaged.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.averaged.load_state_dict(state)
