@@ -109,35 +109,56 @@ def test_bf16_autocast_trains_on_cpu(tmp_path, tiny_backbone, tiny_tokenized):
     assert -1.0 <= summary["dev"]["sts"]["pearson"] <= 1.0
 
 
+def run_paths(root: Path, tokenized: Path) -> Paths:
+    return Paths(tokenized=tokenized, model_out=root / "model", metrics_out=root / "metrics.json",
+                 live_dir=root / "live", checkpoints=root / "ck", snapshots=root / "snapshots")
+
+
+def uninterrupted_and_resumed(params, tokenized: Path, tmp_path: Path, monkeypatch) -> tuple[dict, dict]:
+    """Summaries (less `speed`) of a run in tmp_path/a and of one in tmp_path/b that crashed after update 5
+    (past the checkpoint at update 3, mid-epoch) and was started again."""
+    uninterrupted = Trainer(params, "base", run_paths(tmp_path / "a", tokenized)).run()
+    crashing = Trainer(params, "base", run_paths(tmp_path / "b", tokenized))
+    real_update = crashing.update
+
+    def update_then_crash():
+        real_update()
+        if crashing.updates == 5:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(crashing, "update", update_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        crashing.run()
+    resumed = Trainer(params, "base", run_paths(tmp_path / "b", tokenized)).run()
+    for summary in (uninterrupted, resumed):
+        summary.pop("speed")
+    return uninterrupted, resumed
+
+
+def assert_saved_model_reproduces_its_dumps(root: Path, tokenized: Path, batch_size: int) -> dict:
+    """The model folder under root predicts dev bit for bit as its kept epochs' snapshot dumps; its summary."""
+    from stages.core.data.batches import load_split
+    from stages.core.evaluation.evaluate import predict_split
+    from stages.core.evaluation.predictions import read_dump
+    from stages.core.model.saved import load_model
+
+    model, config = load_model(root / "model")
+    for task_name, epoch in config["task_epochs"].items():
+        split = load_split(tokenized, model.tasks[task_name], "dev")
+        values = predict_split(model, split, batch_size, torch.device("cpu"))
+        snapshot_ids, snapshot = read_dump(root / "snapshots" / f"epoch-{epoch}", model.tasks[task_name], "dev")
+        assert snapshot_ids.tolist() == split.ids.tolist()
+        assert np.array_equal(values, snapshot), task_name  # bit for bit
+    return config
+
+
 def test_smart_and_teacher_resume_after_a_crash_like_an_uninterrupted_run(tmp_path, tiny_backbone, tiny_tokenized,
                                                                           monkeypatch):
     params_file = make_params(tmp_path, tiny_backbone, Path("unused"), heads={"sts": {"encoding": "bi"}},
                               smart={"lambda": 1.0, "task_lambda": {"qqp": 0.0, "sts": None}, "mu": 1.0,
                                      "beta": 0.9, "mode": "adversarial", "radius": 0.1})
     params = variant_params(params_file, "base")
-
-    def paths(name: str) -> Paths:
-        return Paths(tokenized=tiny_tokenized, model_out=tmp_path / name / "model",
-                     metrics_out=tmp_path / name / "metrics.json", live_dir=tmp_path / name / "live",
-                     checkpoints=tmp_path / name / "ck")
-
-    uninterrupted = Trainer(params, "base", paths("a")).run()
-
-    crashing = Trainer(params, "base", paths("b"))
-    real_update = crashing.update
-
-    def update_then_crash():
-        real_update()
-        if crashing.updates == 5:  # after the checkpoint at update 3, mid-epoch
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(crashing, "update", update_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        crashing.run()
-    resumed = Trainer(params, "base", paths("b")).run()
-
-    for summary in (uninterrupted, resumed):
-        summary.pop("speed")
+    uninterrupted, resumed = uninterrupted_and_resumed(params, tiny_tokenized, tmp_path, monkeypatch)
     assert resumed == uninterrupted
     regularisers = uninterrupted["epochs"][0]["regularisers"]
     assert set(regularisers) == {"sst/smart_loss", "sst/delta_ratio", "sst/delta_l2_ratio", "sst/ascended",
@@ -149,18 +170,11 @@ def test_smart_and_teacher_resume_after_a_crash_like_an_uninterrupted_run(tmp_pa
 
 def test_each_task_keeps_its_best_epoch_and_the_saved_model_reproduces_its_predictions(tmp_path, tiny_backbone,
                                                                                       tiny_tokenized):
-    from stages.core.data.batches import load_split
-    from stages.core.evaluation.evaluate import predict_split
-    from stages.core.evaluation.predictions import read_dump
-    from stages.core.model.saved import load_model
-
     params_file = make_params(tmp_path, tiny_backbone, Path("unused"), train={"epochs": 3, "lr": 3e-4})
     params = variant_params(params_file, "base")
-    paths = Paths(tokenized=tiny_tokenized, model_out=tmp_path / "model", metrics_out=tmp_path / "base.json",
-                  live_dir=tmp_path / "live", checkpoints=tmp_path / "ck", snapshots=tmp_path / "snapshots")
     for leftover in (tmp_path / "ck" / "snapshots" / "epoch-7", tmp_path / "ck" / "epochs" / "epoch-7"):
         leftover.mkdir(parents=True)  # as a killed run with other params would leave them
-    summary = Trainer(params, "base", paths).run()
+    summary = Trainer(params, "base", run_paths(tmp_path, tiny_tokenized)).run()
     for task, epoch in summary["task_epochs"].items():  # the epoch of the task's best dev headline
         scores = [record["dev"][task][params.tasks[task].metric] for record in summary["epochs"]]
         assert epoch == scores.index(max(scores)) + 1
@@ -168,46 +182,15 @@ def test_each_task_keeps_its_best_epoch_and_the_saved_model_reproduces_its_predi
     assert sorted(p.name for p in (tmp_path / "snapshots").glob("epoch-*")) == ["epoch-1", "epoch-2", "epoch-3"]
     assert sorted(p.name for p in (tmp_path / "model").glob("epoch-*")) == sorted(
         {f"epoch-{e}" for e in summary["task_epochs"].values()})
-    model, config = load_model(tmp_path / "model")
+    config = assert_saved_model_reproduces_its_dumps(tmp_path, tiny_tokenized, params.train.eval_batch_size)
     assert config["task_epochs"] == summary["task_epochs"]
-    for task_name, epoch in summary["task_epochs"].items():
-        split = load_split(tiny_tokenized, model.tasks[task_name], "dev")
-        values = predict_split(model, split, params.train.eval_batch_size, torch.device("cpu"))
-        snapshot_ids, snapshot = read_dump(tmp_path / "snapshots" / f"epoch-{epoch}", model.tasks[task_name], "dev")
-        assert snapshot_ids.tolist() == split.ids.tolist()
-        assert np.array_equal(values, snapshot), task_name  # bit for bit
 
 
 def test_the_moving_average_is_the_model_kept_and_resumes_like_an_uninterrupted_run(tmp_path, tiny_backbone,
                                                                                     tiny_tokenized, monkeypatch):
-    from stages.core.data.batches import load_split
-    from stages.core.evaluation.evaluate import predict_split
-    from stages.core.evaluation.predictions import read_dump
-    from stages.core.model.saved import load_model
-
     params = variant_params(make_params(tmp_path, tiny_backbone, Path("unused"), train={"ema": 0.5, "lr": 3e-4}),
                             "base")
-
-    def paths(name: str) -> Paths:
-        return Paths(tokenized=tiny_tokenized, model_out=tmp_path / name / "model",
-                     metrics_out=tmp_path / name / "metrics.json", live_dir=tmp_path / name / "live",
-                     checkpoints=tmp_path / name / "ck", snapshots=tmp_path / name / "snapshots")
-
-    uninterrupted = Trainer(params, "base", paths("a")).run()
-    crashing = Trainer(params, "base", paths("b"))
-    real_update = crashing.update
-
-    def update_then_crash():
-        real_update()
-        if crashing.updates == 5:  # after the checkpoint at update 3, mid-epoch
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(crashing, "update", update_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        crashing.run()
-    resumed = Trainer(params, "base", paths("b")).run()
-    for summary in (uninterrupted, resumed):
-        summary.pop("speed")
+    uninterrupted, resumed = uninterrupted_and_resumed(params, tiny_tokenized, tmp_path, monkeypatch)
     assert resumed == uninterrupted
     assert saved_heads(tmp_path / "a" / "model") == saved_heads(tmp_path / "b" / "model")
 
@@ -216,10 +199,6 @@ def test_the_moving_average_is_the_model_kept_and_resumes_like_an_uninterrupted_
     assert all(set(record["dev_raw"]) == set(record["dev"]) for record in epochs)
     assert any(record["dev_raw"]["sts"]["pearson"] != record["dev"]["sts"]["pearson"] for record in epochs)
     # What was dumped and kept is the average: the saved model reproduces its epoch's dumps.
-    model, _ = load_model(tmp_path / "a" / "model")
+    assert_saved_model_reproduces_its_dumps(tmp_path / "a", tiny_tokenized, params.train.eval_batch_size)
     for task_name, epoch in uninterrupted["task_epochs"].items():
-        split = load_split(tiny_tokenized, model.tasks[task_name], "dev")
-        values = predict_split(model, split, params.train.eval_batch_size, torch.device("cpu"))
-        _, dumped = read_dump(tmp_path / "a" / "snapshots" / f"epoch-{epoch}", model.tasks[task_name], "dev")
-        assert np.array_equal(values, dumped), task_name
         assert uninterrupted["dev"][task_name] == epochs[epoch - 1]["dev"][task_name]
