@@ -20,10 +20,10 @@ repro: install
 	dvc repro
 
 lint: install
-	ruff check stages tests bench
+	ruff check mtbert stages tests bench
 
 test: lint
 	pytest
 
 results: install  # rewrite the README's results block from metrics/stats.json and metrics/ensemble.json
-	python -m stages.core.evaluation.report
+	python -m mtbert.evaluation.report

@@ -2,10 +2,10 @@
 
     python -m bench.compile_step [--steps 24] [--bf16/--no-bf16]
 
-Both drive the `train` stage's own Trainer on one variant: the same model and parameters, the same real
-batches (length-bucketed, so sequence lengths vary: the model is compiled with dynamic shapes), a step
-being forward, backward and the optimiser update. The compiled module shares the eager one's
-parameters, so the two alternate in blocks over the same batches and drift in the machine's speed hits
+Both drive the `train` stage's own run (bench/smart_step.py `scratch_run`) on one variant: the same model
+and parameters, the same real batches (length-bucketed, so sequence lengths vary: the model is compiled
+with dynamic shapes), a step being forward, backward and the optimiser update. The compiled module shares
+the eager one's parameters, so the two alternate in blocks over the same batches and drift in the machine's speed hits
 both alike. The first compiled steps, which include compilation, are reported apart from the steady
 state. Needs data/tokenized (`dvc repro tokenize`). Not part of `python -m bench`: compiling takes
 minutes on 2 cores.
@@ -23,21 +23,22 @@ from pathlib import Path
 import torch
 import typer
 
-from bench.smart_step import scratch_trainer, timed_steps
-from stages.core.params import variant_params
-from stages.core.runtime import setup_logging
+from bench.smart_step import scratch_run, timed_steps
+from mtbert.params import variant_params
+from mtbert.runtime import setup_logging
+from mtbert.training.finetune import FineTuning, Progress, schedule
 
 app = typer.Typer(add_completion=False)
 
 
-def alternate(trainer, models: dict[str, torch.nn.Module], schedule: list[tuple[str, ...]],
-              block: int) -> dict[str, list[float]]:
-    """Seconds per step of each model, alternating block by block over `schedule`."""
+def alternate(run: FineTuning, progress: Progress, models: dict[str, torch.nn.Module],
+              steps: list[tuple[str, ...]], block: int) -> dict[str, list[float]]:
+    """Seconds per step of each model (sharing the run's parameters), alternating block by block."""
+    runs = {name: dataclasses.replace(run, model=model) for name, model in models.items()}
     times: dict[str, list[float]] = {name: [] for name in models}
-    for start in range(0, len(schedule), block):
-        for name, model in models.items():
-            trainer.model = model
-            times[name] += timed_steps(trainer, trainer.objective, schedule[start:start + block])
+    for start in range(0, len(steps), block):
+        for name, variant in runs.items():
+            times[name] += timed_steps(variant, progress, steps[start:start + block])
     return times
 
 
@@ -55,18 +56,17 @@ def main(steps: int = typer.Option(24, help="timed steady-state steps per mode")
     if bf16 is not None:
         params = dataclasses.replace(params, train=dataclasses.replace(params.train, bf16=bf16))
     with tempfile.TemporaryDirectory() as scratch:
-        trainer = scratch_trainer(params, variant, tokenized_dir, Path(scratch))
-        trainer.model.train()
-        eager = trainer.model
-        compiled = torch.compile(eager, dynamic=True)
-        schedule = trainer.schedule(0)[: warmup + steps]
+        run, progress = scratch_run(params, variant, tokenized_dir, Path(scratch))
+        run.model.train()
+        models = {"eager": run.model, "compiled": torch.compile(run.model, dynamic=True)}
+        steps_run = schedule(run, 0)[: warmup + steps]
         started = time.perf_counter()
-        warmup_times = alternate(trainer, {"eager": eager, "compiled": compiled}, schedule[:warmup], warmup)
+        warmup_times = alternate(run, progress, models, steps_run[:warmup], warmup)
         print(f"first {warmup} steps: eager {sum(warmup_times['eager']):.1f} s, compiled "
               f"{sum(warmup_times['compiled']):.1f} s (compilation included); {time.perf_counter() - started:.0f} s",
               flush=True)
-        times = alternate(trainer, {"eager": eager, "compiled": compiled}, schedule[warmup:], block)
-    report(times, warmup_times, trainer.bf16, json_out)
+        times = alternate(run, progress, models, steps_run[warmup:], block)
+    report(times, warmup_times, run.bf16, json_out)
 
 
 def report(times: dict[str, list[float]], warmup_times: dict[str, list[float]], bf16: bool,

@@ -1,4 +1,4 @@
-"""Speed of `mtbert predict`'s engine (stages/core/inference.py) against the `predict` stage's path.
+"""Speed of `mtbert predict`'s engine (mtbert/inference.py) against the `predict` stage's path.
 
 - latency of one sentence (tokenize, batch, forward, softmax), p50 and p95 over many single calls;
 - batched sentences/s of the engine on raw dev texts (tokenizing included) against `predict_split` on the
@@ -12,12 +12,12 @@ import time
 import numpy as np
 import pyarrow.parquet as pq
 
-from stages.core.data.batches import TaskSplit
-from stages.core.data.tasks import tokenized_path
-from stages.core.evaluation.evaluate import predict_split
-from stages.core.inference import Predictor
-from stages.core.params import as_dict
-from stages.core.runtime import use_bf16
+from mtbert.data.batches import TaskSplit
+from mtbert.data.tasks import tokenized_path
+from mtbert.evaluation.evaluate import predict_split
+from mtbert.inference import Predictor
+from mtbert.params import as_dict
+from mtbert.runtime import use_bf16
 
 
 def dev_texts(tokenized_dir, split: TaskSplit) -> list[tuple[str, ...]]:
@@ -26,11 +26,11 @@ def dev_texts(tokenized_dir, split: TaskSplit) -> list[tuple[str, ...]]:
     return list(zip(*(table.column(c).to_pylist() for c in split.task.text_columns), strict=True))
 
 
-def engine_figures(trainer, params, tokenized_dir, dev: dict[str, TaskSplit], single_calls: int = 100,
+def engine_figures(run, params, tokenized_dir, dev: dict[str, TaskSplit], single_calls: int = 100,
                    rounds: int = 2) -> dict:
-    bf16 = use_bf16(params.predict.bf16, trainer.device)
-    predictor = Predictor(trainer.model, as_dict(params), trainer.tokenizer, batch_size=params.predict.batch_size,
-                          bf16=bf16, device=trainer.device)
+    bf16 = use_bf16(params.predict.bf16, run.device)
+    predictor = Predictor(run.model, as_dict(params), run.tokenizer, batch_size=params.predict.batch_size,
+                          bf16=bf16, device=run.device)
     texts = {name: dev_texts(tokenized_dir, split) for name, split in dev.items()}
     single_task = next(name for name, split in dev.items() if not split.task.is_pair)
     sentences = texts[single_task]
@@ -47,7 +47,7 @@ def engine_figures(trainer, params, tokenized_dir, dev: dict[str, TaskSplit], si
         engine_s += time.perf_counter() - started
         started = time.perf_counter()
         for split in dev.values():
-            predict_split(trainer.model, split, params.predict.batch_size, trainer.device, bf16)
+            predict_split(run.model, split, params.predict.batch_size, run.device, bf16)
         stage_s += time.perf_counter() - started
     count = rounds * sum(len(split) for split in dev.values())
     return {"single_sentence_ms": {"p50": round(1000 * float(np.percentile(latencies, 50)), 2),

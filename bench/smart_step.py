@@ -2,7 +2,8 @@
 
     python -m bench.smart_step [--steps 40]
 
-Both objectives drive the `train` stage's own Trainer on the default variant: the same model, the same
+Both objectives drive the `train` stage's own run (stages/train.py `setup`, then
+mtbert/training/finetune.py's `step` and `update`) on the default variant: the same model, the same
 real batches (the first steps of its first epoch), a step being forward, backward and the optimiser
 update. They alternate in blocks, so drift in the machine's speed hits both alike. Needs data/tokenized
 (`dvc repro tokenize`).
@@ -19,60 +20,67 @@ from pathlib import Path
 
 import typer
 
-from stages.core.params import variant_params
-from stages.core.runtime import setup_logging
-from stages.core.training.finetune import Trainer
-from stages.core.training.objective import Objective
-from stages.core.training.run import Paths
+from mtbert.params import SmartParams, variant_params
+from mtbert.runtime import setup_logging
+from mtbert.training.finetune import FineTuning, Progress, schedule, step, update
+from mtbert.training.loop import Paths
+from mtbert.training.objective import Objective
+from stages.train import setup
 
 TARGETS = {"smart": 2.5, "random": 2.0}  # step time over plain: SMART (K ascent steps) and random mode
 app = typer.Typer(add_completion=False)
 
 
-def smart_objective(trainer: Trainer, steps: int, mode: str = "adversarial") -> Objective:
+def with_smart(run: FineTuning, smart: SmartParams) -> FineTuning:
+    """The same run (model, data, optimiser) with the objective these smart.* settings choose."""
+    return dataclasses.replace(run, objective=Objective(run.model, smart, run.device, run.bf16, run.p.seed))
+
+
+def smart_run(run: FineTuning, steps: int, mode: str = "adversarial") -> FineTuning:
     """SMART on every task (lambda 1, K = steps, or random mode), no teacher; the rest of smart.* as in
     params.yaml."""
-    params = trainer.params.smart
-    every_task = {task: None for task in params.task_lambda}  # every task inherits lambda
-    smart = dataclasses.replace(params, lambda_=1.0, task_lambda=every_task, steps=steps, mode=mode, mu=0.0)
-    return Objective(trainer.model, smart, trainer.device, trainer.bf16, trainer.p.seed)
+    every_task = {task: None for task in run.tasks}  # every task inherits lambda
+    return with_smart(run, dataclasses.replace(run.params.smart, lambda_=1.0, task_lambda=every_task, steps=steps,
+                                               mode=mode, mu=0.0))
 
 
-def plain_objective(trainer: Trainer) -> Objective:
-    plain = dataclasses.replace(trainer.params.smart, lambda_=0.0, mu=0.0)
-    return Objective(trainer.model, plain, trainer.device, trainer.bf16, trainer.p.seed)
+def plain_run(run: FineTuning) -> FineTuning:
+    return with_smart(run, dataclasses.replace(run.params.smart, lambda_=0.0, mu=0.0))
 
 
-def timed_steps(trainer: Trainer, objective: Objective, schedule: list[tuple[str, ...]]) -> list[float]:
-    trainer.objective = objective
+def timed_steps(run: FineTuning, progress: Progress, steps: list[tuple[str, ...]]) -> list[float]:
+    """Seconds of each of these steps: forward, backward and the optimiser update, as training runs them."""
     seconds = []
-    for tasks in schedule:
+    for tasks in steps:
         started = time.perf_counter()
-        trainer.forward_backward(tasks)
-        trainer.update()
+        step(run, progress, tasks)
+        update(run, progress)
         seconds.append(time.perf_counter() - started)
     return seconds
 
 
-def scratch_trainer(params, variant: str, tokenized_dir: Path, scratch: Path) -> Trainer:
-    """The `train` stage's Trainer for one variant, writing (if at all) only under `scratch`."""
+def scratch_run(params, variant: str, tokenized_dir: Path, scratch: Path) -> tuple[FineTuning, Progress]:
+    """The `train` stage's run of one variant, set up as the stage does, writing (if at all) only under
+    `scratch`."""
     paths = Paths(tokenized=tokenized_dir, model_out=scratch / "model", metrics_out=scratch / "metrics.json",
                   live_dir=scratch / "live", checkpoints=scratch / "checkpoints")
-    return Trainer(params, variant, paths)
+    run, progress, _ = setup(params, variant, paths)
+    return run, progress
 
 
-def alternating_step_times(trainer: Trainer, steps: int, block: int, smart_steps: int) -> dict[str, list[float]]:
+def alternating_step_times(run: FineTuning, progress: Progress, steps: int, block: int,
+                           smart_steps: int) -> dict[str, list[float]]:
     """Seconds per step of plain, SMART(K = smart_steps) and random-mode training, alternating block by
     block over the same batches, so a slow spell of the machine hits all three alike."""
-    objectives = {"plain": plain_objective(trainer), "smart": smart_objective(trainer, smart_steps),
-                  "random": smart_objective(trainer, smart_steps, mode="random")}
-    schedule = trainer.schedule(0)[: block + steps]
-    for objective in objectives.values():  # warm-up, untimed
-        timed_steps(trainer, objective, schedule[:block])
-    times: dict[str, list[float]] = {name: [] for name in objectives}
-    for start in range(block, len(schedule), block):
-        for name, objective in objectives.items():
-            times[name] += timed_steps(trainer, objective, schedule[start:start + block])
+    runs = {"plain": plain_run(run), "smart": smart_run(run, smart_steps),
+            "random": smart_run(run, smart_steps, mode="random")}
+    steps_run = schedule(run, 0)[: block + steps]
+    for variant in runs.values():  # warm-up, untimed
+        timed_steps(variant, progress, steps_run[:block])
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for start in range(block, len(steps_run), block):
+        for name, variant in runs.items():
+            times[name] += timed_steps(variant, progress, steps_run[start:start + block])
     return times
 
 
@@ -87,9 +95,9 @@ def main(steps: int = typer.Option(40, help="timed steps per objective"),
     setup_logging()
     params = variant_params(params_file, variant)
     with tempfile.TemporaryDirectory() as scratch:
-        trainer = scratch_trainer(params, variant, tokenized_dir, Path(scratch))
-        trainer.model.train()
-        times = alternating_step_times(trainer, steps, block, smart_steps)
+        run, progress = scratch_run(params, variant, tokenized_dir, Path(scratch))
+        run.model.train()
+        times = alternating_step_times(run, progress, steps, block, smart_steps)
     report(times, smart_steps, json_out)
 
 

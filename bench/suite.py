@@ -34,12 +34,13 @@ import torch
 import typer
 
 from bench.inference import engine_figures
-from bench.smart_step import alternating_step_times, ratios, scratch_trainer
-from stages.core.data.batches import TaskSplit, eval_batches, load_split
-from stages.core.data.sampling import TaskStream
-from stages.core.params import variant_params
-from stages.core.runtime import setup_logging
-from stages.core.training.finetune import Trainer
+from bench.smart_step import alternating_step_times, ratios, scratch_run
+from mtbert.data.batches import TaskSplit, eval_batches, load_split
+from mtbert.data.sampling import TaskStream
+from mtbert.params import variant_params
+from mtbert.runtime import setup_logging
+from mtbert.training.finetune import FineTuning, Progress, schedule, update
+from mtbert.training.objective import Objective
 
 TARGETS = {"train_speedup": 3.0, "peak_fraction": 0.40, "smart_ratio": 2.5, "smart_random_ratio": 2.0,
            "tokenize_seconds": 15.0,
@@ -69,25 +70,26 @@ def pad_to(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tenso
 
 
 class TrainConfig:
-    """One way of feeding the trainer: its batch streams, padding rule and precision."""
+    """One way of feeding the training run: its batch streams, padding rule and precision."""
 
-    def __init__(self, name: str, trainer: Trainer, *, bucket_batches: int, pad_length: int | None, bf16: bool):
-        self.name, self.trainer, self.pad_length, self.bf16 = name, trainer, pad_length, bf16
-        self.streams = {t: TaskStream(split.lengths(trainer.model.encoding(t)), trainer.p.batch_size[t],
-                                      bucket_batches, trainer.p.seed, i)
-                        for i, (t, split) in enumerate(trainer.train_data.items())}
+    def __init__(self, name: str, run: FineTuning, progress: Progress, *, bucket_batches: int,
+                 pad_length: int | None, bf16: bool):
+        self.name, self.run, self.progress, self.pad_length, self.bf16 = name, run, progress, pad_length, bf16
+        self.objective = Objective(run.model, run.params.smart, run.device, bf16, run.p.seed)
+        self.streams = {t: TaskStream(split.lengths(run.model.encoding(t)), run.p.batch_size[t],
+                                      bucket_batches, run.p.seed, i)
+                        for i, (t, split) in enumerate(run.train_data.items())}
         self.seconds, self.examples, self.tokens = 0.0, 0, 0
 
     def step(self, task: str) -> None:
         rows = self.streams[task].next()
-        batch = self.trainer.train_data[task].batch(rows, self.trainer.model.encoding(task))
+        batch = self.run.train_data[task].batch(rows, self.run.model.encoding(task))
         if self.pad_length is not None:
             batch = pad_to(batch, self.pad_length)
-        self.trainer.objective.bf16 = self.bf16
         started = time.perf_counter()
-        result = self.trainer.objective(self.trainer.model, task, batch)
+        result = self.objective(self.run.model, task, batch)
         result.total.backward()
-        self.trainer.update()
+        update(self.run, self.progress)
         self.seconds += time.perf_counter() - started
         self.examples += len(rows)
         self.tokens += int(sum(v.sum() for k, v in batch.items() if k.startswith("attention_mask")))
@@ -98,41 +100,41 @@ class TrainConfig:
                 "examples": self.examples}
 
 
-def train_throughput(trainer: Trainer, steps: int, block: int) -> dict[str, TrainConfig]:
-    max_length = trainer.params.tokenize.max_length
+def train_throughput(run: FineTuning, progress: Progress, steps: int, block: int) -> dict[str, TrainConfig]:
+    max_length = run.params.tokenize.max_length
     configs = {
-        "naive": TrainConfig("naive", trainer, bucket_batches=1, pad_length=max_length, bf16=False),
-        "default": TrainConfig("default", trainer, bucket_batches=trainer.p.bucket_batches, pad_length=None,
-                               bf16=trainer.bf16),
-        "default_bf16": TrainConfig("default_bf16", trainer, bucket_batches=trainer.p.bucket_batches,
+        "naive": TrainConfig("naive", run, progress, bucket_batches=1, pad_length=max_length, bf16=False),
+        "default": TrainConfig("default", run, progress, bucket_batches=run.p.bucket_batches, pad_length=None,
+                               bf16=run.bf16),
+        "default_bf16": TrainConfig("default_bf16", run, progress, bucket_batches=run.p.bucket_batches,
                                     pad_length=None, bf16=True),
     }
-    schedule = [tasks[0] for tasks in trainer.schedule(0)]
+    first_tasks = [tasks[0] for tasks in schedule(run, 0)]
     for config in configs.values():  # warm-up, then reset the counters
-        config.step(schedule[0])
+        config.step(first_tasks[0])
         config.seconds, config.examples, config.tokens = 0.0, 0, 0
     for start in range(0, steps, block):
         for config in configs.values():
-            for task in schedule[start:start + block]:
+            for task in first_tasks[start:start + block]:
                 config.step(task)
     return configs
 
 
-def non_embedding_parameters(trainer: Trainer) -> float:
+def non_embedding_parameters(run: FineTuning) -> float:
     """The non-embedding parameters one example goes through (its task's encoders and head), averaged over
     the tasks: with CerBERTus a token passes one copy of the top layers, not every task's copy."""
     per_task = []
-    for task in trainer.tasks:
-        modules = [*trainer.model.encoders.for_task(task), trainer.model.heads[task]]
+    for task in run.tasks:
+        modules = [*run.model.encoders.for_task(task), run.model.heads[task]]
         unique = {id(p): p for module in modules for n, p in module.named_parameters() if "embeddings" not in n}
         per_task.append(sum(p.numel() for p in unique.values()))
     return sum(per_task) / len(per_task)
 
 
 # --- prediction -------------------------------------------------------------------------------------
-def predict_seconds(trainer: Trainer, dev: dict[str, TaskSplit], batch_size: int, pad_length: int | None) -> float:
+def predict_seconds(run: FineTuning, dev: dict[str, TaskSplit], batch_size: int, pad_length: int | None) -> float:
     """Wall time to predict the dev splits: length-sorted batches (pad_length None) or file order, padded."""
-    model = trainer.model.eval()
+    model = run.model.eval()
     seconds = 0.0
     with torch.inference_mode():
         for task, split in dev.items():
@@ -186,12 +188,12 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
     figures["matmul_gflops"] = {"fp32": round(matmul_gflops(torch.float32), 1),
                                 "bf16": round(matmul_gflops(torch.bfloat16), 1)}
     with tempfile.TemporaryDirectory() as scratch:
-        trainer = scratch_trainer(params, variant, tokenized_dir, Path(scratch))
-        trainer.model.train()
+        run, progress = scratch_run(params, variant, tokenized_dir, Path(scratch))
+        run.model.train()
         print(f"training: naive / default / default+bf16, {train_steps} steps each ...", flush=True)
-        configs = train_throughput(trainer, train_steps, block)
+        configs = train_throughput(run, progress, train_steps, block)
         figures["train"] = {name: config.figures() for name, config in configs.items()}
-        flops = 6 * non_embedding_parameters(trainer)
+        flops = 6 * non_embedding_parameters(run)
         for name, config in configs.items():
             useful = flops * config.tokens / config.seconds / 1e9
             figures["train"][name]["useful_gflops"] = round(useful, 1)
@@ -202,19 +204,19 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
         figures["train_speedup"] = {name: round(figures["train"][name]["examples_per_second"] / naive, 2)
                                     for name in ("default", "default_bf16")}
         print(f"SMART(K=1) vs plain, {smart_steps} steps each ...", flush=True)
-        figures["smart_ratio"], figures["smart_random_ratio"] = smart_ratios(trainer, smart_steps)
+        figures["smart_ratio"], figures["smart_random_ratio"] = smart_ratios(run, progress, smart_steps)
         print("prediction: length-sorted vs padded to max_length ...", flush=True)
-        dev = {name: load_split(tokenized_dir, task, "dev", predict_examples) for name, task in trainer.tasks.items()}
+        dev = {name: load_split(tokenized_dir, task, "dev", predict_examples) for name, task in run.tasks.items()}
         sentences = sum(len(s) for s in dev.values())
         batch_size = params.predict.batch_size
-        naive_s = predict_seconds(trainer, dev, batch_size, params.tokenize.max_length)
-        default_s = predict_seconds(trainer, dev, batch_size, None)
+        naive_s = predict_seconds(run, dev, batch_size, params.tokenize.max_length)
+        default_s = predict_seconds(run, dev, batch_size, None)
         figures["predict"] = {"naive_sentences_per_second": round(sentences / naive_s, 1),
                               "sentences_per_second": round(sentences / default_s, 1),
                               "speedup": round(naive_s / default_s, 2)}
         print("mtbert predict's engine: one-sentence latency, batched throughput vs the predict stage ...", flush=True)
-        figures["engine"] = engine_figures(trainer, params, tokenized_dir, dev)
-        del trainer
+        figures["engine"] = engine_figures(run, params, tokenized_dir, dev)
+        del run
     print("tokenize (a fresh process) ...", flush=True)
     figures["tokenize_seconds"] = round(tokenize_seconds(params_file), 2)
     print(f"peak memory of training ({memory_steps} steps, evaluation, checkpoint) ...", flush=True)
@@ -225,9 +227,9 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
     json_out.write_text(json.dumps(figures, indent=2) + "\n")
 
 
-def smart_ratios(trainer: Trainer, steps: int, block: int = 2) -> tuple[float, float]:
+def smart_ratios(run: FineTuning, progress: Progress, steps: int, block: int = 2) -> tuple[float, float]:
     """SMART(K = 1) and random-mode step time over plain, measured alternating in one run."""
-    measured = ratios(alternating_step_times(trainer, steps, block, smart_steps=1))
+    measured = ratios(alternating_step_times(run, progress, steps, block, smart_steps=1))
     return measured["smart"], measured["random"]
 
 

@@ -21,10 +21,11 @@ from pathlib import Path
 import numpy as np
 import typer
 
-from bench.smart_step import scratch_trainer
-from stages.core.evaluation.evaluate import evaluate
-from stages.core.params import variant_params
-from stages.core.runtime import peak_rss_gib, setup_logging
+from bench.smart_step import scratch_run
+from mtbert.evaluation.evaluate import evaluate
+from mtbert.params import variant_params
+from mtbert.runtime import peak_rss_gib, setup_logging
+from mtbert.training import finetune
 
 app = typer.Typer(add_completion=False)
 
@@ -61,20 +62,21 @@ def main(steps: int = typer.Option(20), variant: str = typer.Option("base"),
     params = with_overrides(variant_params(params_file, variant), onednn_cache, malloc_threshold_mb,
                             max_batch_tokens)
     with tempfile.TemporaryDirectory() as scratch:
-        trainer = scratch_trainer(params, variant, tokenized_dir, Path(scratch))
-        schedule, streams = trainer.schedule(0)[:steps], trainer.streams
+        run, progress = scratch_run(params, variant, tokenized_dir, Path(scratch))
+        schedule = finetune.schedule(run, 0)[:steps]
+        fed = run  # with longest_first, the same run fed each task's longest batch first
         if longest_first:
-            trainer.streams = {name: LongestFirst(stream, trainer.row_lengths[name], trainer.p.batch_size[name])
-                               for name, stream in trainer.streams.items()}
-        trainer.model.train()
+            fed = dataclasses.replace(run, streams={
+                name: LongestFirst(stream, run.row_lengths[name], run.p.batch_size[name])
+                for name, stream in run.streams.items()})
+        run.model.train()
         start = time.perf_counter()
         for tasks in schedule:
-            trainer.forward_backward(tasks)
-            trainer.update()
+            finetune.step(fed, progress, tasks)
+            finetune.update(fed, progress)
         seconds_per_step = (time.perf_counter() - start) / steps
-        trainer.streams = streams  # the checkpoint saves their positions
-        evaluate(trainer.model, trainer.dev_data, trainer.p.eval_batch_size, trainer.device, trainer.bf16)
-        trainer.checkpoint()
+        evaluate(run.model, run.dev_data, run.p.eval_batch_size, run.device, run.bf16)
+        finetune.checkpoint(run, progress, "bench")  # the checkpoint saves the streams' positions
     print(json.dumps({"peak_rss_gib": round(peak_rss_gib(), 3),
                       "seconds_per_step": round(seconds_per_step, 4)}))
 

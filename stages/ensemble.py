@@ -16,16 +16,16 @@ from pathlib import Path
 import numpy as np
 import typer
 
-from stages.core import io
-from stages.core.data.batches import load_split
-from stages.core.data.tasks import Task, tasks_from_params
-from stages.core.evaluation.ensemble import average, every_method, honest_estimate, method_name, select
-from stages.core.evaluation.metrics import headline, overall, task_metrics
-from stages.core.evaluation.plots import write_plot_tables
-from stages.core.evaluation.predictions import read_aligned, read_dump, rejected_ids, write_dump, write_submission
-from stages.core.model.card import CARD_FILE, ensemble_card
-from stages.core.params import as_dict, load_params
-from stages.core.runtime import MissingInputError, run_app, setup_logging
+from mtbert import io
+from mtbert.data.batches import load_split
+from mtbert.data.tasks import Task, tasks_from_params
+from mtbert.evaluation.ensemble import average, every_method, honest_estimate, method_name, select
+from mtbert.evaluation.metrics import headline, overall, task_metrics
+from mtbert.evaluation.plots import write_plot_tables
+from mtbert.evaluation.predictions import read_aligned, read_dump, rejected_ids, write_dump, write_submission
+from mtbert.model.card import CARD_FILE, ensemble_card
+from mtbert.params import as_dict, load_params
+from mtbert.runtime import MissingInputError, run_app, setup_logging
 
 log = logging.getLogger("ensemble")
 app = typer.Typer(add_completion=False)

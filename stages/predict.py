@@ -2,7 +2,7 @@
 
 Writes data/predictions/<variant>/<task>-<split>.parquet (unrounded predictions), the CS224N CSVs
 beside them and metrics/<variant>.json. The tasks are the ones the model was trained on (saved in its
-folder); each task runs on the snapshot of the epoch it kept (see stages/core/model/saved.py).
+folder); each task runs on the snapshot of the epoch it kept (see mtbert/model/saved.py).
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import typer
 
-from stages.core import io
-from stages.core.data.batches import load_split
-from stages.core.evaluation.evaluate import predict_split
-from stages.core.evaluation.metrics import headline_summary, overall, task_metrics
-from stages.core.evaluation.predictions import rejected_ids, write_dump, write_submission
-from stages.core.model.saved import load_model
-from stages.core.params import load_params
-from stages.core.runtime import limit_memory_growth, run_app, setup_logging, setup_torch, use_bf16
+from mtbert import io
+from mtbert.data.batches import load_split
+from mtbert.evaluation.evaluate import predict_split
+from mtbert.evaluation.metrics import headline_summary, overall, task_metrics
+from mtbert.evaluation.predictions import rejected_ids, write_dump, write_submission
+from mtbert.model.saved import load_model
+from mtbert.params import load_params
+from mtbert.runtime import limit_memory_growth, run_app, setup_logging, setup_torch, use_bf16
 
 log = logging.getLogger("predict")
 app = typer.Typer(add_completion=False)

@@ -5,7 +5,7 @@ Enabled (`pretrain.enabled`), it trains the backbone with a masked-LM head on ev
 next-sentence task), measures the masked-LM loss and perplexity on held-out dev sentences with fixed
 masks every `eval_every` steps, and writes the trained encoder to models/pretrained/ in Hugging Face
 format. Disabled, it writes the backbone itself there, unchanged. `train` always starts from
-models/pretrained/. The loop is stages/core/training/masked_lm.py.
+models/pretrained/. The loop is mtbert/training/masked_lm.py.
 
 Resume: every runtime.checkpoint_every.pretrain steps the full state goes atomically to
 checkpoints/pretrain/; a killed run started again continues from it and ends as an uninterrupted run would.
@@ -19,14 +19,28 @@ from pathlib import Path
 
 import typer
 
-from stages.core.params import load_params
-from stages.core.runtime import run_app, setup_logging
-from stages.core.training.distributed import relaunch_with_torchrun, under_torchrun
-from stages.core.training.masked_lm import Pretrainer, pass_through
-from stages.core.training.run import Paths
+from mtbert.params import Params, load_params
+from mtbert.runtime import limit_memory_growth, run_app, setup_logging
+from mtbert.training import masked_lm
+from mtbert.training.distributed import relaunch_with_torchrun, setup_process, shutdown, under_torchrun
+from mtbert.training.loop import Paths
 
 log = logging.getLogger("pretrain")
 app = typer.Typer(add_completion=False)
+
+
+def pretrain(params: Params, paths: Paths, stop_after: int | None = None) -> dict | None:
+    """Set up this process, then train from the last checkpoint (or the start) to pretrain.steps;
+    `stop_after` ends early after a checkpoint, returning None (a graceful stand-in for a kill)."""
+    limit_memory_growth(params.runtime.onednn_cache, params.runtime.malloc_threshold_mb)
+    ranks, device = setup_process(params.pretrain.seed, params.runtime.threads)
+    fingerprint = masked_lm.run_fingerprint(params, paths.tokenized, ranks.world_size)
+    run = masked_lm.prepare(params, paths, ranks, device)
+    progress = masked_lm.resume(run, fingerprint)
+    summary = masked_lm.train(run, progress, fingerprint, stop_after)
+    if summary is not None:
+        shutdown(ranks)
+    return summary
 
 
 @app.command()
@@ -43,9 +57,9 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
     paths = Paths(tokenized=tokenized_dir, model_out=out_dir, metrics_out=metrics_file, live_dir=live_dir,
                   checkpoints=checkpoints_dir)
     if not params.pretrain.enabled:
-        pass_through(params, paths)
+        masked_lm.pass_through(params, paths)
         return
-    summary = Pretrainer(params, paths).run()
+    summary = pretrain(params, paths)
     if summary:  # the main rank's
         log.info("done: held-out perplexity %.2f -> %.2f", summary["before"]["perplexity"],
                  summary["after"]["perplexity"])

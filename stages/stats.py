@@ -3,7 +3,7 @@
 Variants whose params differ only in `train.seed` form a group. Writes metrics/stats.json: per group and
 task the mean, std, min and max over seeds of each dev metric and of the epoch kept, and for each pair of
 groups the difference of their seed-averaged headline metrics with a paired bootstrap interval (see
-stages/core/evaluation/seeds.py); and metrics/curves.tsv, every variant's dev metrics and training loss
+mtbert/evaluation/seeds.py); and metrics/curves.tsv, every variant's dev metrics and training loss
 per epoch, which `dvc plots show` draws one panel per metric with a line per variant.
 """
 
@@ -17,15 +17,15 @@ from pathlib import Path
 import typer
 import yaml
 
-from stages.core import io
-from stages.core.data.batches import load_split
-from stages.core.data.tasks import tasks_from_params
-from stages.core.evaluation.metrics import overall, task_metrics
-from stages.core.evaluation.predictions import read_aligned
-from stages.core.evaluation.report import curve_rows, curves_table
-from stages.core.evaluation.seeds import compare_groups, group_statistics, seed_groups, spread
-from stages.core.params import load_params, variant_params
-from stages.core.runtime import MissingInputError, run_app, setup_logging
+from mtbert import io
+from mtbert.data.batches import load_split
+from mtbert.data.tasks import tasks_from_params
+from mtbert.evaluation.metrics import overall, task_metrics
+from mtbert.evaluation.predictions import read_aligned
+from mtbert.evaluation.report import curve_rows, curves_table
+from mtbert.evaluation.seeds import compare_groups, group_statistics, seed_groups, spread
+from mtbert.params import load_params, variant_params
+from mtbert.runtime import MissingInputError, run_app, setup_logging
 
 log = logging.getLogger("stats")
 app = typer.Typer(add_completion=False)

@@ -12,13 +12,13 @@ from pathlib import Path
 import pandas as pd
 import typer
 
-from stages.core import io
-from stages.core.data.rawdata import REJECT_COLUMNS, REJECT_REASONS, ParsedSplit, RawDataError, read_split
-from stages.core.data.tasks import SPLITS, tasks_from_params, tokenized_path
-from stages.core.data.tokenization import encode_rows
-from stages.core.model.backbone import load_tokenizer
-from stages.core.params import load_params
-from stages.core.runtime import run_app, setup_logging
+from mtbert import io
+from mtbert.data.rawdata import REJECT_COLUMNS, REJECT_REASONS, ParsedSplit, RawDataError, read_split
+from mtbert.data.tasks import SPLITS, tasks_from_params, tokenized_path
+from mtbert.data.tokenization import encode_rows
+from mtbert.model.backbone import load_tokenizer
+from mtbert.params import load_params
+from mtbert.runtime import run_app, setup_logging
 
 log = logging.getLogger("tokenize")
 app = typer.Typer(add_completion=False)

@@ -51,8 +51,8 @@ def write_raw_files(directory: Path, overrides: dict[str, str | bytes] | None = 
 
 def default_tasks() -> dict:
     """The repository's task declarations (SST, QQP, STS) as Task objects, by name."""
-    from stages.core.data.tasks import tasks_from_params
-    from stages.core.params import load_params
+    from mtbert.data.tasks import tasks_from_params
+    from mtbert.params import load_params
 
     return tasks_from_params(load_params(REPO_ROOT / "params.yaml").tasks)
 
@@ -67,7 +67,7 @@ def raw_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from stages.core.model.backbone import load_tokenizer
+    from mtbert.model.backbone import load_tokenizer
 
     return load_tokenizer(DEFAULT_BACKBONE)
 
@@ -100,7 +100,7 @@ def synthetic_raw_files(rows: int) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_backbone(tmp_path_factory) -> Path:
     """A 2-layer slice of the real default backbone, saved like any local model."""
-    from stages.core.model.backbone import PROVENANCE_FILE, load_encoder, load_tokenizer
+    from mtbert.model.backbone import PROVENANCE_FILE, load_encoder, load_tokenizer
 
     encoder = load_encoder(DEFAULT_BACKBONE)
     encoder.encoder.layer = encoder.encoder.layer[:2]
@@ -118,7 +118,7 @@ def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, model=None, tr
     """A params.yaml for tests: the repository's, pointed at the test data and the small backbone."""
     import yaml
 
-    from stages.core.params import deep_merge
+    from mtbert.params import deep_merge
 
     params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
     params["data"]["raw_dir"] = str(raw_dir)
@@ -127,12 +127,12 @@ def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, model=None, tr
     # or the weights' moving average asks for it.
     params["model"].update(arch="shared")
     params["train"].update(bf16=False, ema=0.0)
-    for head in params["heads"].values():
-        head["pooling"] = "cls"
+    for task in params["tasks"]:
+        params["heads"].setdefault(task, {})["pooling"] = "cls"
     params["heads"]["sts"]["encoding"] = "cross"
     params["model"].update(model or {}, name=str(backbone))
     params["tokenize"]["max_length"] = 32
-    params["train"].update(epochs=2, batch_size={"sst": 4, "qqp": 4, "sts": 4}, eval_batch_size=8, bucket_batches=2)
+    params["train"].update(epochs=2, batch_size=4, eval_batch_size=8, bucket_batches=2)  # every task's, a test's too
     params["runtime"] = deep_merge(params["runtime"], {"threads": 1, "checkpoint_every": {"train": 3}})
     params["runtime"] = deep_merge(params["runtime"], runtime or {})
     params["train"] = deep_merge(params["train"], train or {})

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from stages.core.model.architectures import ARCHS, TaskEncoders
-from stages.core.model.multitask import MultitaskModel
-from stages.core.model.saved import ModelFolderError, load_model, save_model
-from stages.core.params import load_params, variant_params
-from stages.core.training.pcgrad import project_conflicts
+from mtbert.model.architectures import ARCHS, TaskEncoders
+from mtbert.model.multitask import MultitaskModel
+from mtbert.model.saved import ModelFolderError, load_model, save_model
+from mtbert.params import load_params, variant_params
+from mtbert.training.pcgrad import project_conflicts
 from tests.conftest import REPO_ROOT, TASKS, make_params
 
 
@@ -28,7 +28,7 @@ def params():
 
 @pytest.fixture
 def encoder(tiny_backbone):
-    from stages.core.model.backbone import load_encoder
+    from mtbert.model.backbone import load_encoder
 
     return load_encoder(str(tiny_backbone))
 
@@ -126,7 +126,7 @@ def test_every_arch_round_trips_through_save_and_load(params, encoder, tokenizer
 
 def test_tasks_kept_at_different_epochs_each_run_on_their_own_snapshot(params, encoder, tokenizer, batches,
                                                                       tmp_path):
-    from stages.core.model.saved import TaskSnapshots, assemble_model
+    from mtbert.model.saved import TaskSnapshots, assemble_model
 
     config = {"variant": "x", "params": {"tasks": _as_dict(params.tasks), "heads": _as_dict(params.heads),
                                          "model": {"name": "unused", "arch": "cerbertus", "task_layers": 1}}}
@@ -169,7 +169,7 @@ def test_towers_follow_the_declared_tasks(encoder):
 
 
 def _as_dict(section):
-    from stages.core.params import as_dict
+    from mtbert.params import as_dict
 
     return as_dict(section)
 
@@ -196,15 +196,16 @@ def test_pcgrad_leaves_non_conflicting_gradients_unchanged():
 
 # --- training with every arch ---------------------------------------------------------------------
 def trainer(tmp_path: Path, backbone: Path, tokenized: Path, **overrides):
-    from stages.core.training.finetune import Trainer
-    from stages.core.training.run import Paths
+    """A fine-tuning run prepared as the `train` stage prepares it (tests/runs.py)."""
+    from mtbert.training.loop import Paths
+    from tests.runs import prepared
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     params_file = make_params(tmp_path, backbone, Path("unused"), **overrides)
     params = variant_params(params_file, "base")
     paths = Paths(tokenized=tokenized, model_out=tmp_path / "m", metrics_out=tmp_path / "m.json",
                   live_dir=tmp_path / "live", checkpoints=tmp_path / "ck")
-    return Trainer(params, "base", paths)
+    return prepared(params, paths)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -213,7 +214,7 @@ def test_every_arch_trains_with_smart_the_teacher_and_a_bi_encoder(arch, tmp_pat
                   train={"epochs": 1}, heads={"sts": {"encoding": "bi", "combine": "features", "pooling": "mean"}},
                   smart={"lambda": 1.0, "task_lambda": {"sst": None, "qqp": None, "sts": None},
                          "mu": 1.0, "radius": 0.1})
-    summary = run.run()
+    summary = run.train()
     assert summary["speed"]["seconds_per_step"] > 0
     assert set(summary["epochs"][0]["regularisers"]) >= {"sst/smart_loss", "sts/delta_ratio", "qqp/bregman_loss"}
 
@@ -222,8 +223,8 @@ def test_pcgrad_trains_joint_steps_with_gradient_accumulation(tmp_path, tiny_bac
     def final_heads(name: str, gradient: str) -> dict[str, torch.Tensor]:
         run = trainer(tmp_path / name, tiny_backbone, tiny_tokenized, model={"arch": "cerbertus", "task_layers": 1},
                       train={"epochs": 1, "sampler": "joint", "gradient": gradient, "grad_accum": 2})
-        run.run()
-        return {k: v.clone() for k, v in run.model.heads.state_dict().items()}
+        run.train()
+        return {k: v.clone() for k, v in run.run.model.heads.state_dict().items()}
 
     surgery, plain = final_heads("pcgrad", "pcgrad"), final_heads("plain", "plain")
     assert all(torch.isfinite(v).all() for v in surgery.values())
@@ -232,27 +233,31 @@ def test_pcgrad_trains_joint_steps_with_gradient_accumulation(tmp_path, tiny_bac
 
 def test_a_batch_run_in_pieces_under_max_batch_tokens_gives_the_whole_batchs_gradient(tmp_path, tiny_backbone,
                                                                                      tiny_tokenized):
-    runs, gradients = {}, {}
+    from mtbert.training.finetune import micro_batches, step
+
+    totals, gradients, lengths = {}, {}, None
     for budget in (0, 8):  # 8 tokens: every row of the tiny data is a piece of its own
-        run = trainer(tmp_path / str(budget), tiny_backbone, tiny_tokenized, train={"max_batch_tokens": budget})
+        prepared = trainer(tmp_path / str(budget), tiny_backbone, tiny_tokenized, train={"max_batch_tokens": budget})
+        run, lengths = prepared.run, prepared.run.row_lengths["qqp"]
         run.model.eval()  # no dropout, so the pieces compute exactly what the whole batch does
-        run.forward_backward(("qqp",))
-        runs[budget] = run
+        step(run, prepared.progress, ("qqp",))
+        totals[budget] = prepared.progress.totals
         gradients[budget] = {name: p.grad for name, p in run.model.named_parameters() if p.grad is not None}
     rows = np.arange(4)
-    assert len(runs[0].micro_batches("qqp", rows)) == 1 and len(runs[8].micro_batches("qqp", rows)) == 4
+    assert len(micro_batches(rows, lengths, 0)) == 1 and len(micro_batches(rows, lengths, 8)) == 4
     assert gradients[8].keys() == gradients[0].keys() and gradients[0]
     for name, gradient in gradients[0].items():
         torch.testing.assert_close(gradients[8][name], gradient, rtol=1e-4, atol=1e-6, msg=name)
-    whole, pieces = runs[0].running, runs[8].running
-    assert pieces["batches"] == whole["batches"] == {"sst": 0, "qqp": 1, "sts": 0}
-    assert pieces["examples"] == whole["examples"] == 4
-    assert pieces["loss_sum"]["qqp"] == pytest.approx(whole["loss_sum"]["qqp"], rel=1e-5)
+    whole, pieces = totals[0], totals[8]
+    assert pieces.batches == whole.batches == {"sst": 0, "qqp": 1, "sts": 0}
+    assert pieces.examples == whole.examples == 4
+    assert pieces.loss_sum["qqp"] == pytest.approx(whole.loss_sum["qqp"], rel=1e-5)
 
 
 def test_max_train_examples_caps_one_tasks_training_rows_and_leaves_dev_whole(tmp_path, tiny_backbone, tiny_tokenized):
-    run = trainer(tmp_path, tiny_backbone, tiny_tokenized, train={"max_train_examples": {"sst": 0, "qqp": 5, "sts": 0}})
-    whole = trainer(tmp_path / "whole", tiny_backbone, tiny_tokenized)
+    capped = {"max_train_examples": {"sst": 0, "qqp": 5, "sts": 0}}
+    run = trainer(tmp_path, tiny_backbone, tiny_tokenized, train=capped).run
+    whole = trainer(tmp_path / "whole", tiny_backbone, tiny_tokenized).run
     assert len(run.train_data["qqp"]) == 5 < len(whole.train_data["qqp"])
     assert list(run.train_data["qqp"].ids) == list(whole.train_data["qqp"].ids[:5])  # the file's first rows
     assert len(run.train_data["sst"]) == len(whole.train_data["sst"])

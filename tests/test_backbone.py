@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from stages.core.model import backbone
-from stages.core.model.backbone import BackboneError, load_tokenizer, resolve_backbone
-from stages.core.runtime import UserError
+from mtbert.model import backbone
+from mtbert.model.backbone import BackboneError, load_tokenizer, resolve_backbone
+from mtbert.runtime import UserError
 from tests.conftest import DEFAULT_BACKBONE
 
 
@@ -23,7 +23,7 @@ def test_packaged_copy_with_wrong_sha256_is_refused(monkeypatch):
 
 
 def test_backbone_errors_are_user_errors():
-    """A stage prints them as one line (stages.core.runtime.run_app), not as a traceback."""
+    """A stage prints them as one line (mtbert.runtime.run_app), not as a traceback."""
     assert issubclass(BackboneError, UserError)
 
 

@@ -25,7 +25,7 @@ def test_a_child_process_reports_its_own_peak_memory_not_its_parents():
     resident memory at fork, which outlives exec."""
     ballast = bytearray(768 * 2 ** 20)
     ballast[::4096] = b"\x01" * len(ballast[::4096])  # touch every page, so it is resident
-    report = "from stages.core.runtime import peak_rss_gib; print(peak_rss_gib())"
+    report = "from mtbert.runtime import peak_rss_gib; print(peak_rss_gib())"
     child = subprocess.run([sys.executable, "-c", report], capture_output=True, text=True, check=True)
     assert 0 < float(child.stdout) < 0.25, child.stdout
 

@@ -15,8 +15,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from stages.core.model.backbone import PROVENANCE_FILE
-from stages.core.training.distributed import Ranks, shard
+from mtbert.model.backbone import PROVENANCE_FILE
+from mtbert.training.distributed import Ranks, shard
 from tests.conftest import REPO_ROOT, TASKS, kill_once_checkpointed, make_params
 
 

@@ -1,4 +1,4 @@
-"""dvc.yaml lists, for every stage, each stages/ module its command imports (directly or not).
+"""dvc.yaml lists, for every stage, each stages/ and mtbert/ module its command imports (directly or not).
 
 A module missing from a stage's deps would let `dvc repro` skip a stage whose code changed.
 """
@@ -16,11 +16,11 @@ def imported_modules(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     names = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("stages"):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(("stages", "mtbert")):
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names if alias.name.startswith("stages"))
+            names.update(alias.name for alias in node.names if alias.name.startswith(("stages", "mtbert")))
     return names
 
 

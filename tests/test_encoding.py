@@ -2,8 +2,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stages.core import io
-from stages.core.data.tokenization import encode_rows
+from mtbert import io
+from mtbert.data.tokenization import encode_rows
 from tests.conftest import TASKS
 
 LONG = " ".join(["word"] * 40)

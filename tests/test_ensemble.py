@@ -6,12 +6,12 @@ import pyarrow.parquet as pq
 import pytest
 from scipy import stats
 
-from stages.core.evaluation.ensemble import average, dev_halves, greedy_select, honest_estimate
-from stages.core.evaluation.metrics import headline, overall, task_metrics
-from stages.core.evaluation.plots import write_plot_tables
-from stages.core.evaluation.predictions import read_dump, submission_path, write_dump, write_submission
-from stages.core.params import EnsembleParams
-from stages.core.runtime import MissingInputError
+from mtbert.evaluation.ensemble import average, dev_halves, greedy_select, honest_estimate
+from mtbert.evaluation.metrics import headline, overall, task_metrics
+from mtbert.evaluation.plots import write_plot_tables
+from mtbert.evaluation.predictions import read_dump, submission_path, write_dump, write_submission
+from mtbert.params import EnsembleParams
+from mtbert.runtime import MissingInputError
 from tests.conftest import TASKS
 
 LABELS = np.array([1, 1, 0, 0, 1, 0, 1, 0], dtype=float)

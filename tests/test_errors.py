@@ -14,13 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from stages.core.data.rawdata import RawDataError
-from stages.core.model.backbone import BackboneError
-from stages.core.model.saved import ModelFolderError
-from stages.core.params import ParamsError, load_params
-from stages.core.runtime import MissingInputError, UserError
+from mtbert.data.rawdata import RawDataError
+from mtbert.model.backbone import BackboneError
+from mtbert.model.saved import ModelFolderError
+from mtbert.params import ParamsError, as_dict, load_params
+from mtbert.runtime import MissingInputError, UserError
 from tests.conftest import REPO_ROOT, make_params, write_raw_files
 
 
@@ -67,6 +66,13 @@ def test_a_params_typo_is_one_line_naming_the_key(tmp_path, tiny_backbone, raw_d
     assert not any(line.startswith("error:") for line in debug.stderr.splitlines())
 
 
+def test_a_params_yaml_syntax_error_is_one_line_naming_line_and_column(tmp_path):
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text("train:\n  lr: 1\n   epochs: 2\n")
+    line = one_line_error(run_stage("tokenize", *tokenize_args(tmp_path, params_file)))
+    assert line == f"error: {params_file}: not valid YAML at line 3, column 10: mapping values are not allowed here"
+
+
 def test_a_raw_file_that_is_not_utf8_is_one_line_naming_the_file(tmp_path, tiny_backbone):
     raw = write_raw_files(tmp_path / "raw", {
         "ids-sst-dev.csv": b"\tid\tsentence\tsentiment\n0\tsd1\tfine\t1\n1\tsd2\tcaf\xe9\t2\n"})
@@ -109,7 +115,7 @@ def test_an_empty_model_folder_is_one_line_naming_the_path(tmp_path, tiny_backbo
     assert not (tmp_path / "predictions").exists()
 
 
-HEADS = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["heads"]
+HEADS = as_dict(load_params(REPO_ROOT / "params.yaml").heads)  # in full, as a model folder holds them
 
 
 @pytest.mark.parametrize(("config_text", "says"), [

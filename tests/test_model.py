@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 import torch
 
-from stages.core.model.backbone import load_encoder
-from stages.core.model.multitask import MultitaskModel
-from stages.core.model.pooling import pool
-from stages.core.params import load_params
-from stages.core.training.optim import make_optimizer
+from mtbert.model.backbone import load_encoder
+from mtbert.model.multitask import MultitaskModel
+from mtbert.model.pooling import pool
+from mtbert.params import load_params
+from mtbert.training.optim import make_optimizer
 from tests.conftest import REPO_ROOT, TASKS
 
 

@@ -3,7 +3,7 @@ import copy
 import pytest
 import yaml
 
-from stages.core.params import ParamsError, load_params, parse_params
+from mtbert.params import ParamsError, load_params, parse_params, variant_params
 from tests.conftest import REPO_ROOT
 
 
@@ -59,17 +59,112 @@ def with_value(raw: dict, dotted_key: str, value) -> dict:
     ("smart.lambda", -1, "smart.lambda: expected a value >= 0.0, got -1"),
     ("smart.task_lambda.sst", "high", "smart.task_lambda.sst: expected a finite number, got 'high'"),
     ("smart.task_lambda.qqp", -1, "smart.task_lambda.qqp: expected a value >= 0.0, got -1"),
-    ("train.batch_size.sts", 0, "train.batch_size.sts: expected a value >= 1, got 0"),
-    ("train.batch_size.sst", 3.5, "train.batch_size.sst: expected an integer, got 3.5"),
+    ("smart.task_lambda", "high", "smart.task_lambda: expected a finite number, got 'high'"),
+    ("train.batch_size", {"sts": 0}, "train.batch_size.sts: expected a value >= 1, got 0"),
+    ("train.batch_size", {"sst": 3.5}, "train.batch_size.sst: expected an integer, got 3.5"),
+    ("train.batch_size", 0, "train.batch_size: expected a value >= 1, got 0"),
+    ("train.batch_size", True, "train.batch_size: expected an integer, got True"),
+    ("train.task_lr_mult", {"qqp": 0}, "train.task_lr_mult.qqp: expected a value > 0.0, got 0"),
+    ("train.max_train_examples", [5], "train.max_train_examples: expected an integer, got [5]"),
+    ("train.lr", -1, "train.lr: expected a value > 0.0, got -1"),
+    ("train.lr", float("inf"), "train.lr: expected a finite number, got inf"),
     ("runtime.threads", -1, "runtime.threads: expected a value >= 0, got -1"),
     ("runtime.checkpoint_every.train", 0, "runtime.checkpoint_every.train: expected a value >= 1, got 0"),
-    ("smart.norm", "l1", "smart.norm: expected one of 'inf', 'l2', got 'l1'"),
+    ("smart.norm", "l1", "smart.norm: expected 'inf' or 'l2', got 'l1'"),
     ("smart.beta", 1.0, "smart.beta: expected a value < 1.0, got 1.0"),
     ("model", "bert", "model: expected a mapping"),
+    ("pretrain.enabled", 1, "pretrain.enabled: expected true or false, got 1"),
+    ("tasks.sst.label", 3, "tasks.sst.label: expected a non-empty string, got 3"),
 ])
 def test_bad_values_name_the_key_and_what_was_expected(raw_params, key, value, message):
-    with pytest.raises(ParamsError, match=f"^params: {message}".replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ParamsError, match=f"^params: {message}".replace("[", r"\[").replace("]", r"\]")) as error:
         parse_params(with_value(raw_params, key, value))
+    assert "\n" not in str(error.value)  # one line, never pydantic's report
+
+
+def test_ints_are_floats_and_stored_as_floats(raw_params):
+    params = parse_params(with_value(with_value(raw_params, "train.lr", 1), "train.task_lr_mult", {"qqp": 2}))
+    assert params.train.lr == 1.0 and isinstance(params.train.lr, float)
+    assert params.train.task_lr_mult == {"sst": 1.0, "qqp": 2.0, "sts": 1.0}
+    assert all(isinstance(value, float) for value in params.train.task_lr_mult.values())
+    assert params.tasks["sts"].range == [0.0, 5.0] and isinstance(params.tasks["sts"].range[0], float)
+
+
+def test_a_per_task_knob_takes_a_scalar_for_every_task(raw_params):
+    from mtbert.params import as_dict
+
+    raw = with_value(with_value(raw_params, "train.batch_size", 16), "smart.task_lambda", 0.5)
+    params = parse_params(raw)
+    assert params.train.batch_size == {"sst": 16, "qqp": 16, "sts": 16}
+    assert [params.smart.task_weight(task) for task in params.tasks] == [0.5, 0.5, 0.5]
+    assert as_dict(params)["train"]["batch_size"] == {"sst": 16, "qqp": 16, "sts": 16}  # saved in full
+    assert parse_params(with_value(raw, "smart.task_lambda", None)).smart.task_lambda == dict.fromkeys(params.tasks)
+
+
+def test_a_per_task_map_overrides_some_tasks_and_the_rest_get_the_default(raw_params):
+    raw = with_value(raw_params, "train.batch_size", {"qqp": 64})
+    raw["train"]["task_lr_mult"] = {"sts": 2}
+    raw["train"]["max_train_examples"] = {"sst": 100}
+    raw["smart"].update({"lambda": 3.0, "task_lambda": {"qqp": 0.0}})
+    params = parse_params(raw)
+    assert list(params.train.batch_size) == list(params.tasks)  # task order, whatever the map's
+    assert params.train.batch_size == {"sst": 32, "qqp": 64, "sts": 32}
+    assert params.train.task_lr_mult == {"sst": 1.0, "qqp": 1.0, "sts": 2.0}
+    assert params.train.max_train_examples == {"sst": 100, "qqp": 0, "sts": 0}
+    assert params.smart.task_lambda == {"sst": None, "qqp": 0.0, "sts": None}
+    assert [params.smart.task_weight(task) for task in params.tasks] == [3.0, 0.0, 3.0]
+    variant = {"base": {}, "big": {"train": {"batch_size": {"sts": 8}}}}  # a variant's map merges task by task
+    raw["models"] = variant
+    assert variant_params(raw, "big").train.batch_size == {"sst": 32, "qqp": 64, "sts": 8}
+
+
+def test_a_variants_map_over_a_shared_scalar_keeps_the_scalar_for_the_tasks_it_does_not_name(raw_params):
+    raw = with_value(raw_params, "train.batch_size", 16)
+    raw["models"] = {"base": {}, "big": {"train": {"batch_size": {"qqp": 64}}, "smart": {"task_lambda": {"sst": 2.0}}}}
+    big = variant_params(raw, "big")
+    assert big.train.batch_size == {"sst": 16, "qqp": 64, "sts": 16}
+    assert big.smart.task_lambda == {"sst": 2.0, "qqp": 0.0, "sts": 0.0}
+    assert variant_params(raw, "base").train.batch_size == {"sst": 16, "qqp": 16, "sts": 16}
+
+
+def test_a_per_task_map_naming_an_undeclared_task_is_refused(raw_params):
+    with pytest.raises(ParamsError, match=r"^params: train.batch_size.mnli: unknown task; tasks declares sst, qqp"):
+        parse_params(with_value(raw_params, "train.batch_size", {"sst": 8, "mnli": 8}))
+    raw_params["models"] = {"base": {}, "typo": {"smart": {"task_lambda": {"stsb": 1.0}}}}
+    with pytest.raises(ParamsError, match=r"^params: models.typo.smart.task_lambda.stsb: unknown task"):
+        parse_params(raw_params)
+
+
+def test_a_task_left_out_of_heads_gets_every_default(raw_params):
+    from mtbert.params import HeadParams
+
+    params = parse_params(raw_params)
+    assert "sst" not in raw_params["heads"] and "qqp" not in raw_params["heads"]
+    assert params.heads["sst"] == HeadParams(pooling="mean", hidden_layers=1, dropout=0.0, loss_weight=1.0,
+                                             encoding=None, combine=None, target=None)
+    assert params.heads["qqp"] == HeadParams(encoding="cross", combine="features")
+    assert params.heads["sts"] == HeadParams(encoding="bi", combine="cosine", target="raw")
+
+
+def test_the_resolved_params_of_the_repository_are_todays():
+    """as_dict is hashed into resume fingerprints and saved beside models: the simplified params.yaml must
+    give exactly the nested dict that the fully spelled-out one gave."""
+    from mtbert.params import as_dict
+
+    params = as_dict(load_params(REPO_ROOT / "params.yaml"))
+    assert params["heads"] == {
+        "sst": {"pooling": "mean", "hidden_layers": 1, "dropout": 0.0, "loss_weight": 1.0, "encoding": None,
+                "combine": None, "target": None},
+        "qqp": {"pooling": "mean", "hidden_layers": 1, "dropout": 0.0, "loss_weight": 1.0, "encoding": "cross",
+                "combine": "features", "target": None},
+        "sts": {"pooling": "mean", "hidden_layers": 1, "dropout": 0.0, "loss_weight": 1.0, "encoding": "bi",
+                "combine": "cosine", "target": "raw"}}
+    assert {key: params["train"][key] for key in ("task_lr_mult", "batch_size", "max_train_examples")} == {
+        "task_lr_mult": {"sst": 1.0, "qqp": 1.0, "sts": 1.0}, "batch_size": {"sst": 32, "qqp": 32, "sts": 32},
+        "max_train_examples": {"sst": 0, "qqp": 0, "sts": 0}}
+    assert params["smart"]["task_lambda"] == {"sst": None, "qqp": 0.0, "sts": 0.0}
+    assert list(params) == ["tasks", "data", "tokenize", "model", "pretrain", "heads", "train", "smart", "predict",
+                            "ensemble", "stats", "runtime", "models"]
 
 
 def test_unknown_key_is_named_with_the_accepted_ones(raw_params):
@@ -93,9 +188,21 @@ def test_unreadable_files_are_clear_errors(tmp_path):
         load_params(tmp_path / "params.yaml")
 
 
-def test_variant_overrides_deep_merge_over_the_shared_sections(raw_params):
-    from stages.core.params import variant_params
+@pytest.mark.parametrize(("text", "where"), [
+    ("train:\n  lr: 1\n   epochs: 2\n", "line 3, column 10"),  # a key indented under a scalar
+    ("train:\n  lr: [1, 2\nsmart: {}\n", "line 3, column 6"),  # an unclosed list
+    ("train:\n\tlr: 1\n", "line 2, column 1"),  # a tab
+])
+def test_a_yaml_syntax_error_is_one_line_naming_the_file_line_and_column(tmp_path, text, where):
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    for load in (load_params, lambda p: variant_params(p, "base")):
+        with pytest.raises(ParamsError, match=f"^{path}: not valid YAML at {where}: ") as error:
+            load(path)
+        assert "\n" not in str(error.value)
 
+
+def test_variant_overrides_deep_merge_over_the_shared_sections(raw_params):
     raw_params["models"] = {"base": {}, "mean": {"heads": {"sst": {"pooling": "mean"}}, "train": {"seed": 7}}}
     base, mean = variant_params(raw_params, "base"), variant_params(raw_params, "mean")
     assert mean.heads["sst"].pooling == "mean" and mean.train.seed == 7
@@ -114,7 +221,7 @@ def test_bad_variant_override_names_the_variant_and_key(raw_params):
 
 
 def test_smart_lambda_is_keyed_as_in_params_yaml(raw_params):
-    from stages.core.params import as_dict
+    from mtbert.params import as_dict
 
     raw = with_value(raw_params, "smart.lambda", 10)
     raw["smart"]["task_lambda"] = {"sst": None, "qqp": 0, "sts": 2.5}
@@ -142,14 +249,14 @@ def test_bf16_is_true_false_or_auto(raw_params, value):
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_bf16_names_what_it_accepts(raw_params, value):
-    with pytest.raises(ParamsError, match=r"train\.bf16: expected true or false or one of 'auto', got"):
+    with pytest.raises(ParamsError, match=r"train\.bf16: expected true, false or 'auto', got"):
         parse_params(with_value(raw_params, "train.bf16", value))
 
 
 def test_auto_bf16_follows_the_devices_native_support():
     import torch
 
-    from stages.core.runtime import use_bf16
+    from mtbert.runtime import use_bf16
 
     cpu = torch.device("cpu")
     assert use_bf16(True, cpu) and not use_bf16(False, cpu)
@@ -165,7 +272,7 @@ def test_memory_caps_reach_onednn_and_glibc_before_any_work():
 
     script = (
         "import os, torch\n"
-        "from stages.core.runtime import limit_memory_growth\n"
+        "from mtbert.runtime import limit_memory_growth\n"
         "limit_memory_growth(onednn_cache=8, malloc_threshold_mb=1)\n"
         "assert os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'] == '8'\n"
         "layer = torch.nn.Linear(64, 64)\n"

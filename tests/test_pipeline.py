@@ -1,7 +1,9 @@
 """The whole pipeline through a real `dvc repro` in a temporary repository, on a 2-layer backbone.
 
-Beside SST, QQP and STS the repository declares a fourth task in its params alone (a binary
-single-sentence task, `cfimdb`, with its own raw files): every stage must handle it with no code change.
+Beside SST, QQP and STS the repository declares two more tasks, each with one block under `tasks:` and
+its raw files, nothing else (every per-task knob takes its default): `cfimdb`, binary sentiment of single
+sentences, declared exactly as the README's "Adding a task" shows it, and `nli`, a three-class sentence-pair
+task. Every stage must handle them with no code change.
 """
 
 import json
@@ -27,17 +29,19 @@ def dvc(repo: Path, *args: str) -> str:
     return result.stdout
 
 
-# A fourth task, declared only here: binary sentiment of single sentences (like CS224N's CFIMDB).
-FOURTH_TASK = {
-    "tasks": {"cfimdb": {"files": {"prefix": "ids-cfimdb", "train": "train", "dev": "dev", "test": "test-student"},
-                         "text": ["sentence"], "label": "sentiment", "kind": "binary", "metric": "accuracy",
-                         "submission": {"file": "cfimdb", "column": "Predicted_Sentiment"}}},
-    "heads": {"cfimdb": {"pooling": "mean", "hidden_layers": 1, "dropout": 0.1, "loss_weight": 1.0}},
-    "train": {"batch_size": {"cfimdb": 4}, "task_lr_mult": {"cfimdb": 1.0},
-              "max_train_examples": {"cfimdb": 0}},
-    "smart": {"task_lambda": {"cfimdb": None}},
-}
-TASK_NAMES = ("sst", "qqp", "sts", "cfimdb")
+def readme_task_block() -> dict:
+    """The `tasks:` block of the README's "Adding a task" example, as a user would paste it."""
+    section = (REPO_ROOT / "README.md").read_text(encoding="utf-8").split("## Adding a task", 1)[1]
+    return yaml.safe_load(section.split("```yaml", 1)[1].split("```", 1)[0])
+
+
+# A fifth task: three-way inference over sentence pairs, a cross-encoded classification by default.
+FIFTH_TASK = {"nli": {"files": {"prefix": "nli", "train": "train", "dev": "dev", "test": "test-student"},
+                      "text": ["premise", "hypothesis"], "label": "gold", "kind": "classification", "classes": 3,
+                      "metric": "macro_f1", "submission": {"file": "nli", "column": "Predicted_Label"}}}
+NEW_TASKS = {"tasks": {**readme_task_block()["tasks"], **FIFTH_TASK}}
+TASK_NAMES = ("sst", "qqp", "sts", "cfimdb", "nli")
+HEADLINE = {"sst": "accuracy", "qqp": "accuracy", "sts": "pearson", "cfimdb": "accuracy", "nli": "macro_f1"}
 
 
 def fourth_task_files(rows: int) -> dict[str, str]:
@@ -50,17 +54,28 @@ def fourth_task_files(rows: int) -> dict[str, str]:
     return files
 
 
+def fifth_task_files(rows: int) -> dict[str, str]:
+    files = {}
+    for split, suffix in (("train", "train"), ("dev", "dev"), ("test", "test-student")):
+        header = "\tid\tpremise\thypothesis" + ("" if split == "test" else "\tgold")
+        lines = [f"{i}\t{split}-n{i}\ta man plays number {i}\t{['he sleeps', 'a man plays', 'he plays'][i % 3]}"
+                 + ("" if split == "test" else f"\t{i % 3}") for i in range(rows)]
+        files[f"nli-{suffix}.csv"] = "\n".join([header, *lines]) + "\n"
+    return files
+
+
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, tiny_backbone) -> Path:
     repo = tmp_path_factory.mktemp("repo")
-    shutil.copytree(REPO_ROOT / "stages", repo / "stages", ignore=shutil.ignore_patterns("__pycache__"))
+    for code in ("stages", "mtbert"):  # the stage commands, and the library dvc.yaml lists as their deps
+        shutil.copytree(REPO_ROOT / code, repo / code, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO_ROOT / "dvc.yaml", repo / "dvc.yaml")
     # predict as train evaluates (batch 8, fp32), so the model cards' dev metrics are predict's exactly
     make_params(repo, tiny_backbone, Path("data/raw"), train={"epochs": 1},
-                extra={**FOURTH_TASK, "predict": {"batch_size": 8, "bf16": False}},
+                extra={**NEW_TASKS, "predict": {"batch_size": 8, "bf16": False}},
                 models={"plain": {}, "meanpool": {"heads": {"sst": {"pooling": "mean"}}, "train": {"seed": 1}},
                         "plain-seed1": {"train": {"seed": 1}}})
-    write_raw_files(repo / "data" / "raw", {**synthetic_raw_files(16), **fourth_task_files(16)})
+    write_raw_files(repo / "data" / "raw", {**synthetic_raw_files(16), **fourth_task_files(16), **fifth_task_files(16)})
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     dvc(repo, "init", "-q")
     shutil.copytree(REPO_ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")  # the curves' chart template
@@ -79,7 +94,7 @@ def test_repro_builds_every_stage_output(repo):
         assert (repo / "models" / variant / "epoch-1" / "heads.safetensors").is_file()
         metrics = json.loads((repo / "metrics" / f"{variant}.json").read_text())
         assert set(metrics) == {*TASK_NAMES, "overall"}
-        assert set(metrics["cfimdb"]) == {"accuracy", "f1"}
+        assert set(metrics["cfimdb"]) == {"accuracy", "f1"} and set(metrics["nli"]) == {"accuracy", "macro_f1"}
         assert set(metrics["sst"]) == {"accuracy", "macro_f1"} and set(metrics["sts"]) == {"pearson", "spearman"}
         dump = pq.read_table(repo / "data" / "predictions" / variant / "sst-dev.parquet")
         assert dump.column_names == ["id", "prob_0", "prob_1", "prob_2", "prob_3", "prob_4", "label"]
@@ -88,11 +103,12 @@ def test_repro_builds_every_stage_output(repo):
         train = json.loads((repo / "metrics" / "train" / f"{variant}.json").read_text())
         assert set(train["dev"]) == {*TASK_NAMES, "overall"}
         assert train["epochs"][0]["task_batches"]["cfimdb"] > 0  # it was trained on, not only evaluated
+        assert train["epochs"][0]["task_batches"]["nli"] > 0
     data = json.loads((repo / "metrics" / "data.json").read_text())
     assert data["cfimdb"]["train"]["labels"] == {"0": 8, "1": 8}
     ensemble = json.loads((repo / "metrics" / "ensemble.json").read_text())
-    assert ensemble["overall"] == pytest.approx(sum(ensemble[t]["accuracy" if t != "sts" else "pearson"]
-                                                    for t in TASK_NAMES) / 4, abs=1e-4)  # 4 digits
+    assert ensemble["overall"] == pytest.approx(sum(ensemble[t][HEADLINE[t]] for t in TASK_NAMES) / len(TASK_NAMES),
+                                                abs=1e-4)  # 4 digits
     for task in TASK_NAMES:
         assert sum(ensemble[task]["members"].values()) >= 1
         assert set(ensemble[task]["members"]) <= {"plain", "meanpool", "plain-seed1"}
@@ -116,13 +132,16 @@ def test_model_cards_carry_the_metrics_of_their_model(repo):
         assert results == {task: metrics[task] for task in TASK_NAMES}
     ensemble = json.loads((repo / "metrics" / "ensemble.json").read_text())
     card = card_metadata(repo / "data" / "ensemble" / "README.md")
-    assert {r["task"]["name"]: r["metrics"][0]["value"] for r in card["model-index"][0]["results"]} == {
-        task: ensemble[task]["accuracy" if task != "sts" else "pearson"] for task in TASK_NAMES}
+    card_metrics = {r["task"]["name"]: {m["type"]: m["value"] for m in r["metrics"]}
+                    for r in card["model-index"][0]["results"]}
+    assert {task: card_metrics[task][HEADLINE[task]] for task in card_metrics} == {
+        task: ensemble[task][HEADLINE[task]] for task in TASK_NAMES}
 
 
 def test_submissions_list_every_raw_test_id_once(repo):
     for prefix, id_letter, column in (("sst", "s", "Predicted_Sentiment"), ("para", "q", "Predicted_Is_Paraphrase"),
-                                      ("sts", "t", "Predicted_Similiarity"), ("cfimdb", "c", "Predicted_Sentiment")):
+                                      ("sts", "t", "Predicted_Similiarity"), ("cfimdb", "c", "Predicted_Sentiment"),
+                                      ("nli", "n", "Predicted_Label")):
         frame = pd.read_csv(repo / "data" / "ensemble" / f"{prefix}-test-output.csv")
         assert frame.columns.tolist() == ["id", column]
         assert sorted(frame["id"]) == sorted(f"test-{id_letter}{i}" for i in range(16))
@@ -166,7 +185,7 @@ def test_plots_show_one_chart_of_curves_and_the_ensembles_plots_without_warnings
     assert result.returncode == 0 and "WARNING" not in result.stderr + result.stdout, result.stderr
     shown = json.loads(result.stdout)["data"]
     assert sorted(shown) == sorted(["metrics/curves.tsv", *(f"data/plots/ensemble/confusion/{t}.csv"
-                                                             for t in ("sst", "qqp", "cfimdb")),
+                                                             for t in ("sst", "qqp", "cfimdb", "nli")),
                                     "data/plots/ensemble/scatter/sts.csv"])
     curves = shown["metrics/curves.tsv"][0]
     spec = curves["content"]
@@ -203,11 +222,11 @@ def test_queued_experiments_run_and_show_with_their_metrics(repo):
         assert "plain" in data["metrics"]["metrics/stats.json"]["data"]["groups"]
 
 
-# --- the trained models on new text: `mtbert predict` and its API (stages/core/inference.py) -----------------
+# --- the trained models on new text: `mtbert predict` and its API (mtbert/inference.py) -----------------
 def dev_texts(repo: Path, task: str) -> tuple[list[str], list[tuple[str, ...]]]:
     """The ids and texts of a task's dev split, in the split's row order (the dumps' order)."""
     table = pq.read_table(repo / "data" / "tokenized" / f"{task}-dev.parquet")
-    columns = [c for c in ("sentence", "sentence1", "sentence2") if c in table.column_names]
+    columns = yaml.safe_load((repo / "params.yaml").read_text())["tasks"][task]["text"]
     return table.column("id").to_pylist(), list(zip(*(table.column(c).to_pylist() for c in columns), strict=True))
 
 
@@ -220,7 +239,7 @@ def dump_values(path: Path) -> list[list[float]]:
 def mtbert(repo: Path, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
     """The command, on one thread as the repo's `predict` ran (runtime.threads 1): fp32 kernels round
     differently with another thread count."""
-    return subprocess.run([sys.executable, "-m", "stages.core.cli", "predict", "--threads", "1", *args], cwd=repo,
+    return subprocess.run([sys.executable, "-m", "mtbert.cli", "predict", "--threads", "1", *args], cwd=repo,
                           input=stdin, capture_output=True)
 
 
@@ -236,7 +255,7 @@ def one_thread():
 
 @pytest.mark.parametrize("task", TASK_NAMES)
 def test_api_on_dev_rows_gives_the_predict_dumps_bit_for_bit(repo, task, one_thread):
-    from stages.core.inference import EnsemblePredictor, Predictor
+    from mtbert.inference import EnsemblePredictor, Predictor
 
     _, texts = dev_texts(repo, task)
     values = Predictor.load(repo / "models" / "plain", batch_size=8).values(task, texts)

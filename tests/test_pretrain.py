@@ -12,13 +12,12 @@ import yaml
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from stages.core.data.batches import TokenColumn
-from stages.core.data.masking import IGNORE_INDEX, MaskingVocab, mask_tokens
-from stages.core.model.backbone import PROVENANCE_FILE, starting_point
-from stages.core.params import load_params
-from stages.core.training.masked_lm import Pretrainer
-from stages.core.training.run import Paths
-from stages.pretrain import app
+from mtbert.data.batches import TokenColumn
+from mtbert.data.masking import IGNORE_INDEX, MaskingVocab, mask_tokens
+from mtbert.model.backbone import PROVENANCE_FILE, starting_point
+from mtbert.params import load_params
+from mtbert.training.loop import Paths
+from stages.pretrain import app, pretrain
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +128,7 @@ def encoder_weights(folder: Path) -> dict[str, torch.Tensor]:
 def finished_run(tmp_path_factory, tiny_backbone, tiny_tokenized):
     root = tmp_path_factory.mktemp("pretrain")
     params = load_params(pretrain_params(root, tiny_backbone))
-    summary = Pretrainer(params, paths_in(root, tiny_tokenized)).run()
+    summary = pretrain(params, paths_in(root, tiny_tokenized))
     return root, summary
 
 
@@ -154,10 +153,10 @@ def test_short_run_lowers_held_out_perplexity_and_writes_a_loadable_encoder(fini
 def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, finished_run, tiny_backbone, tiny_tokenized):
     root, summary = finished_run
     params = load_params(pretrain_params(tmp_path, tiny_backbone))
-    assert Pretrainer(params, paths_in(tmp_path, tiny_tokenized)).run(stop_after=8) is None
+    assert pretrain(params, paths_in(tmp_path, tiny_tokenized), stop_after=8) is None
     assert (tmp_path / "ck" / "last.pt").is_file() and not (tmp_path / "pretrained").exists()
     torch.manual_seed(12345)  # a fresh process would not share the first run's RNG
-    resumed = Pretrainer(params, paths_in(tmp_path, tiny_tokenized)).run()
+    resumed = pretrain(params, paths_in(tmp_path, tiny_tokenized))
     strip = lambda s: {k: v for k, v in s.items() if k != "speed"}  # noqa: E731
     assert strip(resumed) == strip(summary)
     trained, again = encoder_weights(root / "pretrained"), encoder_weights(tmp_path / "pretrained")
@@ -166,7 +165,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, finished_run, 
 
 def test_whole_word_run_trains(tmp_path, tiny_backbone, tiny_tokenized):
     params = load_params(pretrain_params(tmp_path, tiny_backbone, whole_word=True, steps=8, eval_every=8))
-    summary = Pretrainer(params, paths_in(tmp_path, tiny_tokenized)).run()
+    summary = pretrain(params, paths_in(tmp_path, tiny_tokenized))
     assert summary["after"]["loss"] < summary["before"]["loss"]
 
 
@@ -185,7 +184,7 @@ def test_disabled_stage_passes_the_backbone_through_unchanged(tmp_path, tiny_bac
 
 
 def test_train_refuses_a_pretrained_folder_from_another_backbone(tmp_path, tiny_backbone):
-    from stages.core.model.backbone import BackboneError
+    from mtbert.model.backbone import BackboneError
 
     folder = tmp_path / "pretrained"
     folder.mkdir()

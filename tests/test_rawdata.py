@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.core.data.kinds import Classification, Regression
-from stages.core.data.rawdata import RawDataError, read_split
+from mtbert.data.kinds import Classification, Regression
+from mtbert.data.rawdata import RawDataError, read_split
 from tests.conftest import TASKS
 
 

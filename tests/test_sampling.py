@@ -3,8 +3,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from stages.core.data.batches import bucketed_batches
-from stages.core.data.sampling import TaskStream, epoch_schedule, sampling_weights
+from mtbert.data.batches import bucketed_batches
+from mtbert.data.sampling import TaskStream, epoch_schedule, sampling_weights
 
 SIZES = {"sst": 8000, "qqp": 14000, "sts": 6000}
 BATCHES = {"sst": 250, "qqp": 438, "sts": 188}  # batches per pass at batch size 32
@@ -103,7 +103,7 @@ def test_stream_resumes_at_its_saved_position():
 def test_token_column_of_a_sliced_table_pads_the_right_rows():
     import pyarrow as pa
 
-    from stages.core.data.batches import TokenColumn
+    from mtbert.data.batches import TokenColumn
 
     table = pa.table({"ids": pa.array([[1], [2, 3], [4, 5, 6], [7]], pa.list_(pa.int32()))}).slice(1, 2)
     column = TokenColumn.from_arrow(table.column("ids"))

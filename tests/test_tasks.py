@@ -17,11 +17,11 @@ import torch.nn.functional as F
 import yaml
 from scipy import stats
 
-from stages.core.data.kinds import Binary, Classification, Regression
-from stages.core.data.tasks import Task, tasks_from_params, tokenized_path
-from stages.core.evaluation.metrics import headline, overall, task_metrics
-from stages.core.evaluation.predictions import read_dump, to_table, values_of, write_dump, write_submission
-from stages.core.params import KIND_METRICS, HeadParams, ModelSpec, ParamsError, parse_params, parse_section
+from mtbert.data.kinds import Binary, Classification, Regression
+from mtbert.data.tasks import Task, tasks_from_params, tokenized_path
+from mtbert.evaluation.metrics import headline, overall, task_metrics
+from mtbert.evaluation.predictions import read_dump, to_table, values_of, write_dump, write_submission
+from mtbert.params import KIND_METRICS, HeadParams, ModelSpec, ParamsError, as_dict, parse_params, parse_section
 from tests.conftest import REPO_ROOT, TASKS
 
 RAW = HeadParams(pooling="cls", hidden_layers=0, dropout=0.0, loss_weight=1.0, encoding="cross", combine="features",
@@ -65,14 +65,12 @@ def test_a_new_task_is_a_declaration():
     declaration = {"files": {"prefix": "ratings", "train": "tr", "dev": "va", "test": "te"}, "text": ["review"],
                    "label": "stars", "kind": "regression", "range": [1, 7], "metric": "spearman",
                    "submission": {"file": "rate", "column": "Stars"}}
-    raw["tasks"]["rate"] = declaration
-    raw["heads"]["rate"] = {"pooling": "mean", "hidden_layers": 0, "dropout": 0.0, "loss_weight": 1.0,
-                            "target": "unit"}
-    raw["train"]["batch_size"]["rate"] = 8
-    raw["train"]["task_lr_mult"]["rate"] = 1.0
-    raw["train"]["max_train_examples"]["rate"] = 0
-    raw["smart"]["task_lambda"]["rate"] = None
-    tasks = tasks_from_params(parse_params(raw).tasks)
+    raw["tasks"]["rate"] = declaration  # one block: its head and per-task knobs take their defaults
+    params = parse_params(raw)
+    assert params.heads["rate"] == HeadParams(target="raw")
+    assert (params.train.batch_size["rate"], params.train.task_lr_mult["rate"]) == (32, 1.0)
+    assert (params.train.max_train_examples["rate"], params.smart.task_weight("rate")) == (0, 0.0)
+    tasks = tasks_from_params(params.tasks)
     assert list(tasks) == ["sst", "qqp", "sts", "rate"]
     rate = tasks["rate"]
     assert rate == Task(name="rate", file_prefix="ratings", split_files={"train": "tr", "dev": "va", "test": "te"},
@@ -237,8 +235,8 @@ def test_a_three_class_task_dumps_round_trip(tmp_path):
 
 
 def test_a_three_class_task_gets_a_three_way_head(tiny_backbone, tokenizer):
-    from stages.core.model.backbone import load_encoder
-    from stages.core.model.multitask import MultitaskModel
+    from mtbert.model.backbone import load_encoder
+    from mtbert.model.multitask import MultitaskModel
 
     head = HeadParams(pooling="mean", hidden_layers=1, dropout=0.0, loss_weight=1.0, encoding=None, combine=None,
                       target=None)
@@ -264,7 +262,7 @@ def changed(raw: dict, dotted_key: str, value=None, *, delete: bool = False) -> 
     *parents, last = dotted_key.split(".")
     node = raw
     for parent in parents:
-        node = node[parent]
+        node = node.setdefault(parent, {})
     if delete:
         del node[last]
     else:
@@ -282,9 +280,11 @@ HEAD = {"pooling": "mean", "hidden_layers": 1, "dropout": 0.1, "loss_weight": 1.
 
 @pytest.mark.parametrize(("key", "value", "message"), [
     ("heads.mnli", HEAD, r"^params: heads.mnli: unknown task; tasks declares sst, qqp, sts$"),
-    ("train.batch_size.mnli", 16, r"^params: train.batch_size.mnli: unknown task; tasks declares sst, qqp, sts$"),
-    ("train.task_lr_mult.mnli", 2.0, r"^params: train.task_lr_mult.mnli: unknown task; tasks declares sst, qqp, sts$"),
-    ("train.max_train_examples.mnli", 100,
+    ("train.batch_size", {"sst": 8, "mnli": 16},
+     r"^params: train.batch_size.mnli: unknown task; tasks declares sst, qqp, sts$"),
+    ("train.task_lr_mult", {"mnli": 2.0},
+     r"^params: train.task_lr_mult.mnli: unknown task; tasks declares sst, qqp, sts$"),
+    ("train.max_train_examples", {"mnli": 100},
      r"^params: train.max_train_examples.mnli: unknown task; tasks declares sst, qqp, sts$"),
     ("smart.task_lambda.mnli", 1.0, r"^params: smart.task_lambda.mnli: unknown task; tasks declares sst, qqp, sts$"),
     ("data.unescape_ptb", ["mnli"], r"^params: data.unescape_ptb: unknown task 'mnli'; tasks declares sst, qqp, sts$"),
@@ -293,39 +293,48 @@ def test_an_unknown_task_name_is_refused_naming_it(raw_params, key, value, messa
     fails(changed(raw_params, key, value), message)
 
 
-@pytest.mark.parametrize(("key", "message"), [
-    ("heads.qqp", r"^params: missing key 'heads.qqp': every task declared in tasks needs one$"),
-    ("train.batch_size.sts", r"^params: missing key 'train.batch_size.sts': every task declared in tasks needs one$"),
-    ("smart.task_lambda.sst", r"^params: missing key 'smart.task_lambda.sst': every task declared"),
-])
-def test_a_task_missing_from_a_per_task_section_is_named(raw_params, key, message):
-    fails(changed(raw_params, key, delete=True), message)
+def test_a_task_left_out_of_a_per_task_section_gets_the_default(raw_params):
+    raw = changed(raw_params, "train.batch_size", {"qqp": 64})
+    raw["smart"]["task_lambda"] = {"sst": 2.0}
+    params = parse_params(raw)
+    assert params.train.batch_size == {"sst": 32, "qqp": 64, "sts": 32}  # full, in task order
+    assert params.smart.task_lambda == {"sst": 2.0, "qqp": None, "sts": None}
+    del raw["train"]["task_lr_mult"], raw["train"]["max_train_examples"]
+    raw["heads"] = None  # `heads:` with nothing under it
+    params = parse_params(raw)  # a per-task key left out: every task gets the default
+    assert params.train.task_lr_mult == {"sst": 1.0, "qqp": 1.0, "sts": 1.0}
+    assert params.train.max_train_examples == {"sst": 0, "qqp": 0, "sts": 0}
+    assert list(params.heads) == ["sst", "qqp", "sts"] and params.heads["sts"].encoding == "cross"
 
 
-def test_a_declared_task_needs_an_entry_in_every_per_task_section(raw_params):
+def test_a_declared_task_needs_nothing_but_its_declaration(raw_params):
     raw = changed(raw_params, "tasks.cfimdb", {**raw_params["tasks"]["sst"], "kind": "binary"})
     del raw["tasks"]["cfimdb"]["classes"]
-    fails(raw, r"missing key 'heads.cfimdb'")
-    raw["heads"]["cfimdb"] = HEAD
-    fails(raw, r"missing key 'train.batch_size.cfimdb'")
-    raw["train"]["batch_size"]["cfimdb"] = 8
-    fails(raw, r"missing key 'train.task_lr_mult.cfimdb'")
-    raw["train"]["task_lr_mult"]["cfimdb"] = 1.0
-    fails(raw, r"missing key 'train.max_train_examples.cfimdb'")
-    raw["train"]["max_train_examples"]["cfimdb"] = 0
-    fails(raw, r"missing key 'smart.task_lambda.cfimdb'")
-    raw["smart"]["task_lambda"]["cfimdb"] = None
-    assert list(parse_params(raw).tasks) == ["sst", "qqp", "sts", "cfimdb"]
+    params = parse_params(raw)
+    assert list(params.tasks) == list(params.heads) == list(params.train.batch_size) == ["sst", "qqp", "sts",
+                                                                                          "cfimdb"]
+    assert params.heads["cfimdb"] == HeadParams()  # one sentence, binary: no encoding, combine or target
+    assert params.smart.task_lambda["cfimdb"] is None and params.train.max_train_examples["cfimdb"] == 0
+
+
+def test_heads_take_the_defaults_of_their_tasks_text_and_kind(raw_params):
+    heads = parse_params(changed(raw_params, "heads", {})).heads
+    assert heads["sst"] == HeadParams(pooling="mean", hidden_layers=1, dropout=0.0, loss_weight=1.0)
+    assert (heads["qqp"].encoding, heads["qqp"].combine, heads["qqp"].target) == ("cross", "features", None)
+    assert (heads["sts"].encoding, heads["sts"].combine, heads["sts"].target) == ("cross", "features", "raw")
+    heads = parse_params(changed(raw_params, "heads.qqp", {"encoding": "bi", "dropout": 0.1})).heads
+    assert (heads["qqp"].encoding, heads["qqp"].combine, heads["qqp"].dropout) == ("bi", "features", 0.1)
+    assert heads["sts"].is_bi and heads["sts"].combine == "cosine"  # the repository's, beside an override
 
 
 @pytest.mark.parametrize(("key", "value", "delete", "message"), [
-    ("heads.qqp.encoding", None, True, r"missing key 'heads.qqp.encoding': task qqp is a sentence pair"),
-    ("heads.sts.combine", None, True, r"missing key 'heads.sts.combine': task sts is a sentence pair"),
     ("heads.sst.encoding", "cross", False, r"heads.sst.encoding: task sst has one sentence, so it takes no encoding"),
     ("heads.sst.combine", "features", False, r"heads.sst.combine: task sst has one sentence, so it takes no combine"),
-    ("heads.sts.target", None, True, r"heads.sts.target: expected for regression tasks only \(task sts is "
-                                     r"regression\), got None"),
     ("heads.qqp.target", "unit", False, r"heads.qqp.target: expected for regression tasks only \(task qqp is binary"),
+    ("heads.sst.target", "raw", False, r"heads.sst.target: expected for regression tasks only \(task sst is class"),
+    ("heads.sst.pooling", "first", False, r"heads.sst.pooling: expected 'cls', 'mean', 'max' or 'attention'"),
+    ("heads.sst.dropout", 1.0, False, r"heads.sst.dropout: expected a value < 1.0, got 1.0"),
+    ("heads.qqp.bias", True, False, r"unknown key 'heads.qqp.bias'; heads.qqp accepts: pooling, hidden_layers"),
     ("tasks.sts.range", None, True, r"tasks.sts.range: kind regression expects \[lowest, highest\], got None"),
     ("tasks.sts.range", [5, 0], False, r"tasks.sts.range: kind regression expects \[lowest, highest\], got \[5.0"),
     ("tasks.qqp.range", [0, 1], False, r"tasks.qqp.range: expected for kind regression only"),
@@ -335,7 +344,7 @@ def test_a_declared_task_needs_an_entry_in_every_per_task_section(raw_params):
     ("tasks.qqp.metric", "pearson", False, r"tasks.qqp.metric: kind binary offers accuracy, f1, got 'pearson'"),
     ("tasks.sts.metric", "accuracy", False, r"tasks.sts.metric: kind regression offers pearson, spearman, got 'acc"),
     ("tasks.sst.metric", "f1", False, r"tasks.sst.metric: kind classification offers accuracy, macro_f1, got 'f1'"),
-    ("tasks.sst.kind", "ordinal", False, r"tasks.sst.kind: expected one of 'classification', 'binary', 'regression'"),
+    ("tasks.sst.kind", "ordinal", False, r"tasks.sst.kind: expected 'classification', 'binary' or 'regression'"),
     ("tasks.sst.text", ["a", "b", "c"], False, r"tasks.sst.text: expected one column or two distinct ones"),
     ("tasks.sst.files.dev", None, True, r"missing key 'tasks.sst.files.dev'"),
     ("tasks", {}, False, r"tasks: expected at least one task declaration"),
@@ -347,7 +356,7 @@ def test_heads_and_declarations_are_checked_against_the_task(raw_params, key, va
 def test_cosine_is_refused_for_classification_pairs(raw_params):
     raw = changed(raw_params, "tasks.qqp.kind", "classification")
     raw["tasks"]["qqp"]["classes"] = 2
-    raw["heads"]["qqp"].update(encoding="bi", combine="cosine")
+    raw["heads"]["qqp"] = {"encoding": "bi", "combine": "cosine"}
     fails(raw, r"heads.qqp.combine: cosine gives one score, but task qqp has 2 classes; use features")
     raw["heads"]["qqp"]["combine"] = "features"
     assert parse_params(raw).heads["qqp"].is_bi
@@ -367,10 +376,16 @@ def test_a_variant_is_checked_against_the_tasks(raw_params):
 
 
 def test_a_saved_models_spec_is_checked_the_same_way(raw_params):
-    spec = parse_section(ModelSpec, {"tasks": raw_params["tasks"], "heads": raw_params["heads"]}, "")
+    params = parse_params(raw_params)
+    saved = {"tasks": as_dict(params.tasks), "heads": as_dict(params.heads)}  # as mtbert.json holds them: in full
+    spec = parse_section(ModelSpec, saved, "")
     assert list(spec.tasks) == list(spec.heads) == ["sst", "qqp", "sts"]
-    heads = changed(raw_params["heads"], "sts", delete=True)
-    with pytest.raises(ParamsError, match=r"^model.json: missing key 'heads.sts'"):
-        parse_section(ModelSpec, {"tasks": raw_params["tasks"], "heads": heads}, "", source="model.json")
+    assert spec.tasks == params.tasks and spec.heads == params.heads
+    heads = changed(saved["heads"], "sts", delete=True)
+    with pytest.raises(ParamsError, match=r"^model.json: missing key 'heads.sts'"):  # no defaults for a saved model
+        parse_section(ModelSpec, {**saved, "heads": heads}, "", source="model.json")
+    with pytest.raises(ParamsError, match=r"^model.json: heads.sst.encoding: task sst has one sentence"):
+        parse_section(ModelSpec, {**saved, "heads": changed(saved["heads"], "sst.encoding", "bi")}, "",
+                      source="model.json")
     with pytest.raises(ParamsError, match=r"tasks"):  # heads for tasks it does not declare
-        parse_section(ModelSpec, {"tasks": None, "heads": raw_params["heads"]}, "")
+        parse_section(ModelSpec, {"tasks": None, "heads": saved["heads"]}, "")

@@ -7,8 +7,8 @@ import pyarrow.parquet as pq
 import yaml
 from typer.testing import CliRunner
 
-from stages.core.data.rawdata import RawDataError
-from stages.core.params import deep_merge
+from mtbert.data.rawdata import RawDataError
+from mtbert.params import deep_merge
 from stages.tokenize import app
 from tests.conftest import REPO_ROOT, write_raw_files
 
@@ -64,9 +64,7 @@ EMOTION = {
     "tasks": {"emo": {"files": {"prefix": "emo", "train": "train", "dev": "dev", "test": "blind"},
                       "text": ["text"], "label": "feeling", "kind": "classification", "classes": 3,
                       "metric": "macro_f1", "submission": {"file": "emo", "column": "Predicted_Feeling"}}},
-    "heads": {"emo": {"pooling": "mean", "hidden_layers": 0, "dropout": 0.1, "loss_weight": 1.0}},
-    "train": {"batch_size": {"emo": 4}, "task_lr_mult": {"emo": 1.0}, "max_train_examples": {"emo": 0}},
-    "smart": {"task_lambda": {"emo": None}},
+    "heads": {"emo": {"hidden_layers": 0, "dropout": 0.1}},  # its per-task knobs: the defaults
 }
 
 

@@ -10,10 +10,12 @@ import pytest
 import torch
 import yaml
 
-from stages.core.params import variant_params
-from stages.core.training.finetune import Trainer
-from stages.core.training.run import Paths, TrainingError
+from mtbert.params import variant_params
+from mtbert.training import finetune
+from mtbert.training.loop import Paths, TrainingError
+from stages.train import fine_tune
 from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params, saved_heads
+from tests.runs import prepared
 
 
 def train_command(params: Path, out: Path) -> list[str]:
@@ -84,8 +86,9 @@ def test_non_finite_loss_stops_naming_step_and_task(tmp_path, training_params, t
     params = variant_params(training_params, "base")
     paths = Paths(tokenized=tiny_tokenized, model_out=tmp_path / "m", metrics_out=tmp_path / "m.json",
                   live_dir=tmp_path / "live", checkpoints=tmp_path / "ck")
-    trainer = Trainer(params, "base", paths)
-    real_loss = trainer.model.loss
+    prepared_run = prepared(params, paths)
+    model = prepared_run.run.model
+    real_loss = model.loss
     calls = {"n": 0}
 
     def poisoned_loss(task, outputs, labels):
@@ -93,9 +96,9 @@ def test_non_finite_loss_stops_naming_step_and_task(tmp_path, training_params, t
         loss = real_loss(task, outputs, labels)
         return loss * float("nan") if calls["n"] == 5 else loss
 
-    monkeypatch.setattr(trainer.model, "loss", poisoned_loss)
+    monkeypatch.setattr(model, "loss", poisoned_loss)
     with pytest.raises(TrainingError, match=r"non-finite (sst|qqp|sts) loss \(nan\) at epoch 1 step 5"):
-        trainer.run()
+        prepared_run.train()
     assert (tmp_path / "ck" / "last.pt").exists()  # written after update 3, before the bad step
     assert not (tmp_path / "m.json").exists()
 
@@ -104,7 +107,7 @@ def test_bf16_autocast_trains_on_cpu(tmp_path, tiny_backbone, tiny_tokenized):
     params_file = make_params(tmp_path, tiny_backbone, Path("unused"), train={"bf16": True, "epochs": 1})
     paths = Paths(tokenized=tiny_tokenized, model_out=tmp_path / "m", metrics_out=tmp_path / "m.json",
                   live_dir=tmp_path / "live", checkpoints=tmp_path / "ck")
-    summary = Trainer(variant_params(params_file, "base"), "base", paths).run()
+    summary = fine_tune(variant_params(params_file, "base"), "base", paths)
     assert all(np.isfinite(loss) for loss in summary["epochs"][0]["train_loss"].values())
     assert -1.0 <= summary["dev"]["sts"]["pearson"] <= 1.0
 
@@ -117,19 +120,19 @@ def run_paths(root: Path, tokenized: Path) -> Paths:
 def uninterrupted_and_resumed(params, tokenized: Path, tmp_path: Path, monkeypatch) -> tuple[dict, dict]:
     """Summaries (less `speed`) of a run in tmp_path/a and of one in tmp_path/b that crashed after update 5
     (past the checkpoint at update 3, mid-epoch) and was started again."""
-    uninterrupted = Trainer(params, "base", run_paths(tmp_path / "a", tokenized)).run()
-    crashing = Trainer(params, "base", run_paths(tmp_path / "b", tokenized))
-    real_update = crashing.update
+    uninterrupted = fine_tune(params, "base", run_paths(tmp_path / "a", tokenized))
+    real_update = finetune.update
 
-    def update_then_crash():
-        real_update()
-        if crashing.updates == 5:
+    def update_then_crash(run, progress):
+        real_update(run, progress)
+        if progress.updates == 5:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(crashing, "update", update_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        crashing.run()
-    resumed = Trainer(params, "base", run_paths(tmp_path / "b", tokenized)).run()
+    with monkeypatch.context() as patch:
+        patch.setattr(finetune, "update", update_then_crash)
+        with pytest.raises(KeyboardInterrupt):
+            fine_tune(params, "base", run_paths(tmp_path / "b", tokenized))
+    resumed = fine_tune(params, "base", run_paths(tmp_path / "b", tokenized))
     for summary in (uninterrupted, resumed):
         summary.pop("speed")
     return uninterrupted, resumed
@@ -137,10 +140,10 @@ def uninterrupted_and_resumed(params, tokenized: Path, tmp_path: Path, monkeypat
 
 def assert_saved_model_reproduces_its_dumps(root: Path, tokenized: Path, batch_size: int) -> dict:
     """The model folder under root predicts dev bit for bit as its kept epochs' snapshot dumps; its summary."""
-    from stages.core.data.batches import load_split
-    from stages.core.evaluation.evaluate import predict_split
-    from stages.core.evaluation.predictions import read_dump
-    from stages.core.model.saved import load_model
+    from mtbert.data.batches import load_split
+    from mtbert.evaluation.evaluate import predict_split
+    from mtbert.evaluation.predictions import read_dump
+    from mtbert.model.saved import load_model
 
     model, config = load_model(root / "model")
     for task_name, epoch in config["task_epochs"].items():
@@ -174,7 +177,7 @@ def test_each_task_keeps_its_best_epoch_and_the_saved_model_reproduces_its_predi
     params = variant_params(params_file, "base")
     for leftover in (tmp_path / "ck" / "snapshots" / "epoch-7", tmp_path / "ck" / "epochs" / "epoch-7"):
         leftover.mkdir(parents=True)  # as a killed run with other params would leave them
-    summary = Trainer(params, "base", run_paths(tmp_path, tiny_tokenized)).run()
+    summary = fine_tune(params, "base", run_paths(tmp_path, tiny_tokenized))
     for task, epoch in summary["task_epochs"].items():  # the epoch of the task's best dev headline
         scores = [record["dev"][task][params.tasks[task].metric] for record in summary["epochs"]]
         assert epoch == scores.index(max(scores)) + 1

@@ -1,0 +1,170 @@
+"""`mtbert`, the command installed with the package: predictions of a trained model (or the ensemble) on
+new text, as JSON lines.
+
+    mtbert predict --model models/base --task sst "A gorgeous, witty film." "Dull."
+    mtbert predict --model models/base --task qqp --task sts "How do I cook rice?" "How to cook rice?"
+    mtbert predict --ensemble metrics/ensemble.json --task sts --input pairs.tsv --output scores.jsonl
+    cat pairs.jsonl | mtbert predict --model models/base --task sts --input -
+
+Texts come as arguments (for pair tasks, consecutive arguments form a pair), or with `--input` as a TSV
+file (a header naming the task's text columns, e.g. `sentence` or `sentence1` and `sentence2`, and an
+optional `id`) or a JSON-lines file (objects with those keys), `-` for standard input. Each output line
+holds the row's id, its texts and every requested task's result (see mtbert/inference.py). A bad
+input or model folder is one line on stderr (`error: ...`) and exit status 1; the output file is written
+whole or not at all.
+"""
+
+from __future__ import annotations
+
+import csv
+import io as text_io
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from mtbert import io
+from mtbert.runtime import UserError, run_app, setup_torch
+
+app = typer.Typer(add_completion=False, help="Use the models mtbert trained.")
+
+
+@app.callback()
+def main() -> None:
+    """mtbert: use the trained models (`mtbert predict --help`)."""
+
+
+@app.command()
+def predict(texts: list[str] = typer.Argument(None, help="texts; for pair tasks two consecutive ones make a pair"),
+            model: Path = typer.Option(None, "--model", help="a trained variant's folder, e.g. models/base"),
+            ensemble: Path = typer.Option(None, "--ensemble", help="the ensemble's metrics/ensemble.json"),
+            models_dir: Path = typer.Option(Path("models"), help="with --ensemble: where its members' folders are"),
+            task: list[str] = typer.Option(..., "--task", help="a task to predict; repeat for several"),
+            input_file: str = typer.Option(None, "--input", help="a TSV or JSON-lines file of texts; - for stdin"),
+            output: Path = typer.Option(None, "--output", help="write the JSON lines here (default: stdout)"),
+            batch_size: int = typer.Option(128, min=1, help="texts per forward pass"),
+            bf16: bool = typer.Option(False, help="bf16 autocast: faster on CPUs with bf16 units"),
+            threads: int = typer.Option(0, min=0, help="CPU threads; 0 = torch's default")) -> None:
+    """Predict the requested tasks for every text, one JSON line per input row."""
+    quiet_libraries()
+    from mtbert.inference import EnsemblePredictor, Predictor  # after quieting: tqdm reads its env on import
+
+    if (model is None) == (ensemble is None):
+        raise CommandInputError("give exactly one of --model (a variant's folder) or --ensemble "
+                                "(metrics/ensemble.json)")
+    if bool(texts) == (input_file is not None):
+        raise CommandInputError("give the texts either as arguments or with --input, not both and not neither")
+    device = setup_torch(seed=0, threads=threads)
+    options = {"batch_size": batch_size, "bf16": bf16, "device": device}
+    predictor = (Predictor.load(model, **options) if model is not None
+                 else EnsemblePredictor.load(ensemble, models_dir, **options))
+    columns = text_columns(predictor, task)
+    rows = rows_from_arguments(texts, columns) if texts else rows_from_file(input_file, columns)
+    results = [{"id": row["id"], **{column: row[column] for column in columns}} for row in rows]
+    for name in task:
+        values = predictor.predict(name, [tuple(row[c] for c in predictor.tasks[name].text_columns) for row in rows])
+        for result, value in zip(results, values, strict=True):
+            result[name] = value
+    lines = "".join(json.dumps(result, ensure_ascii=False) + "\n" for result in results)
+    if output is None:
+        sys.stdout.write(lines)
+    else:
+        io.write_text(output, lines)
+
+
+class CommandInputError(UserError, ValueError):
+    """A command line or input file the command cannot read (the texts themselves: inference.InputError)."""
+
+
+def quiet_libraries() -> None:
+    """stderr is for errors: no loading or tokenizing progress bars."""
+    import os
+
+    os.environ.setdefault("TQDM_DISABLE", "1")  # before anything imports tqdm, which reads it then
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
+
+
+def text_columns(predictor, tasks: list[str]) -> list[str]:
+    """The text columns the requested tasks read; they must all read the same shape of input."""
+    unknown = [name for name in tasks if name not in predictor.tasks]
+    if unknown:
+        raise CommandInputError(f"unknown task {unknown[0]!r}; the model predicts {', '.join(predictor.tasks)}")
+    shapes = {len(predictor.tasks[name].text_columns) for name in tasks}
+    if len(shapes) > 1:
+        raise CommandInputError(f"tasks {', '.join(tasks)} mix single sentences and pairs; "
+                                "predict them in separate calls")
+    return list(dict.fromkeys(c for name in tasks for c in predictor.tasks[name].text_columns))
+
+
+def rows_from_arguments(texts: list[str], columns: list[str]) -> list[dict]:
+    if len(texts) % len(columns):
+        raise CommandInputError(f"{len(texts)} text arguments do not make pairs; "
+                                f"give {' and '.join(columns)} for each row")
+    width = len(columns)
+    return [{"id": str(index), **dict(zip(columns, texts[start:start + width], strict=True))}
+            for index, start in enumerate(range(0, len(texts), width))]
+
+
+def rows_from_file(name: str, columns: list[str]) -> list[dict]:
+    """Rows of a TSV or JSON-lines file (JSON lines when its first character is `{`), each with an id."""
+    label = "stdin" if name == "-" else name
+    data = sys.stdin.buffer.read() if name == "-" else read_bytes(Path(name))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise CommandInputError(f"{label}: not UTF-8 text (byte 0x{data[error.start]:02x} "
+                                f"at offset {error.start})") from None
+    rows = json_rows(text, label) if text.lstrip().startswith("{") else tsv_rows(text, label)
+    if not rows:
+        raise CommandInputError(f"{label}: no rows; expected {' and '.join(columns)} per row")
+    for index, row in enumerate(rows, start=1):
+        missing = [column for column in columns if column not in row or row[column] is None]
+        if missing:
+            raise CommandInputError(f"{label} row {index}: no {missing[0]!r}; expected {' and '.join(columns)}")
+        row["id"] = str(row.get("id") or index)
+    return rows
+
+
+def read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise CommandInputError(f"{path}: cannot read it ({error.strerror})") from None
+
+
+def json_rows(text: str, label: str) -> list[dict]:
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict):
+            raise CommandInputError(f"{label} line {number}: not a JSON object")
+        rows.append(row)
+    return rows
+
+
+def tsv_rows(text: str, label: str) -> list[dict]:
+    reader = csv.DictReader(text_io.StringIO(text), delimiter="\t")
+    rows = []
+    for row in reader:
+        if None in row:
+            raise CommandInputError(f"{label} line {reader.line_num}: more fields than the header has")
+        rows.append(row)
+    return rows
+
+
+def entry() -> None:
+    """The console script."""
+    run_app(app)
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,139 @@
+"""Tokenized splits in memory, length-bucketed batches and dynamic padding.
+
+Token lists stay as Arrow's flat values + offsets (no Python object per example); a batch is cut out
+and padded only to its own longest member.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from mtbert.data.tasks import Task, tokenized_path
+from mtbert.runtime import MissingInputError
+
+
+@dataclasses.dataclass
+class TokenColumn:
+    """A list<int32> column as flat values and offsets."""
+    values: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def from_arrow(cls, column: pa.ChunkedArray) -> TokenColumn:
+        array = column.combine_chunks()
+        offsets = array.offsets.to_numpy().astype(np.int64)
+        # flatten() honours a slice; the offsets of a sliced array still count from the unsliced start.
+        return cls(array.flatten().to_numpy().astype(np.int64), offsets - offsets[0])
+
+    @classmethod
+    def concat(cls, columns: list[TokenColumn]) -> TokenColumn:
+        """One column holding the rows of `columns` one after another."""
+        starts = np.cumsum([0] + [len(c.values) for c in columns[:-1]])
+        offsets = [np.zeros(1, dtype=np.int64)] + [c.offsets[1:] + start
+                                                   for c, start in zip(columns, starts, strict=True)]
+        return cls(np.concatenate([c.values for c in columns]), np.concatenate(offsets))
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def take(self, rows: np.ndarray) -> TokenColumn:
+        """A column of the given rows, in that order."""
+        lengths = self.lengths()[rows]
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        gather = np.repeat(self.offsets[rows] - offsets[:-1], lengths) + np.arange(offsets[-1])
+        return TokenColumn(self.values[gather], offsets)
+
+    def padded_to(self, rows: np.ndarray, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like `padded`, but rows longer than max_length are cut and keep their last token (e.g. [SEP])."""
+        ids, mask = self.padded(rows)
+        if ids.shape[1] <= max_length:
+            return ids, mask
+        ids, mask = ids[:, :max_length].clone(), mask[:, :max_length]
+        cut = torch.from_numpy(self.lengths()[rows] > max_length)
+        ids[cut, max_length - 1] = torch.from_numpy(self.values[self.offsets[rows + 1] - 1])[cut]
+        return ids, mask
+
+    def padded(self, rows: np.ndarray, pad_value: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, attention mask), each (len(rows), longest row)."""
+        starts, ends = self.offsets[rows], self.offsets[rows + 1]
+        lengths = ends - starts
+        width = int(lengths.max())
+        positions = np.arange(width)
+        mask = positions[None, :] < lengths[:, None]
+        gather = np.where(mask, starts[:, None] + positions[None, :], 0)
+        ids = np.where(mask, self.values[gather] if len(self.values) else 0, pad_value)
+        return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64))
+
+
+@dataclasses.dataclass
+class TaskSplit:
+    """One task's split: ids, labels (NaN when unlabeled) and token columns."""
+    task: Task
+    ids: np.ndarray
+    labels: np.ndarray
+    tokens: dict[str, TokenColumn]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def lengths(self, encoding: str) -> np.ndarray:
+        """Tokens per example as the model reads it (bi-encoders: the longer sentence)."""
+        if encoding == "bi":
+            return np.maximum(self.tokens["input_ids_1"].lengths(), self.tokens["input_ids_2"].lengths())
+        return self.tokens["input_ids"].lengths()
+
+    def batch(self, rows: np.ndarray, encoding: str) -> dict[str, torch.Tensor]:
+        rows = np.asarray(rows, dtype=np.int64)
+        batch = {"labels": torch.from_numpy(self.labels[rows])}
+        if encoding == "bi":
+            for side in ("1", "2"):
+                ids, mask = self.tokens[f"input_ids_{side}"].padded(rows)
+                batch[f"input_ids_{side}"], batch[f"attention_mask_{side}"] = ids, mask
+        else:
+            batch["input_ids"], batch["attention_mask"] = self.tokens["input_ids"].padded(rows)
+            batch["token_type_ids"], _ = self.tokens["token_type_ids"].padded(rows)
+        return batch
+
+
+def load_split(tokenized_dir: Path | str, task: Task, split: str, max_examples: int = 0) -> TaskSplit:
+    path = tokenized_path(tokenized_dir, task.name, split)
+    if not path.is_file():
+        raise MissingInputError(f"{path} is missing; run `dvc repro tokenize` first")
+    table = pq.read_table(path)
+    if max_examples:
+        table = table.slice(0, max_examples)
+    token_columns = [name for name in ("input_ids", "token_type_ids", "input_ids_1", "input_ids_2")
+                     if name in table.column_names]
+    labels = table.column("label").to_numpy(zero_copy_only=False).astype(np.float64)  # null -> NaN
+    return TaskSplit(task=task, ids=np.asarray(table.column("id").to_pylist(), dtype=object),
+                     labels=labels, tokens={name: TokenColumn.from_arrow(table.column(name))
+                                            for name in token_columns})
+
+
+def bucketed_batches(lengths: np.ndarray, batch_size: int, bucket_batches: int,
+                     rng: np.random.Generator) -> list[np.ndarray]:
+    """One pass over the examples in shuffled batches of similar length.
+
+    Shuffle, cut into windows of `bucket_batches` batches, sort each window by length, cut it into
+    batches, then shuffle the batch order: little padding, yet every pass is a different mix.
+    """
+    order = rng.permutation(len(lengths))
+    window = batch_size * bucket_batches
+    batches = []
+    for start in range(0, len(order), window):
+        chunk = order[start:start + window]
+        chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+        batches.extend(chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size))
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def eval_batches(lengths: np.ndarray, batch_size: int) -> list[np.ndarray]:
+    """Batches of similar length in a fixed order, for evaluation."""
+    order = np.argsort(lengths, kind="stable")
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]

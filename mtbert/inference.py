@@ -1,0 +1,165 @@
+"""Predictions on new text with a trained model or the ensemble: the engine of `mtbert predict`, and its
+Python API.
+
+    from mtbert.inference import Predictor, EnsemblePredictor
+    predictor = Predictor.load("models/base")
+    predictor.predict("sst", ["A gorgeous, witty film."])
+    # [{'prob_0': 0.01, ..., 'prob_4': 0.62, 'label': 4}]
+    predictor.predict("sts", [("A man plays a guitar.", "A man is playing music.")])
+    # [{'score': 3.9, 'label': 3.9}]
+    EnsemblePredictor.load("metrics/ensemble.json").predict("qqp", [("How do I cook rice?", "How to cook rice?")])
+
+Texts go through the pipeline's own steps: the cleaning of `tokenize` (whitespace stripped, PTB escapes
+undone for the tasks of `data.unescape_ptb`), the model folder's tokenizer with the same truncation
+(`tokenize.max_length`, longest-first for pairs), length-sorted batches under `inference_mode`
+(`predict_split`). So on the rows of a split, with the `predict` stage's batch size and precision, the
+results are `predict`'s dumps bit for bit. A result holds the dump's columns: SST `prob_0`..`prob_4` and
+`label`, QQP `prob` (of a paraphrase) and `label`, STS `score` (0-5) and `label` (the score).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from mtbert.data.batches import TaskSplit, TokenColumn
+from mtbert.data.rawdata import clean_text
+from mtbert.data.tasks import Task
+from mtbert.data.tokenization import encode_rows
+from mtbert.evaluation.ensemble import average
+from mtbert.evaluation.evaluate import predict_split
+from mtbert.model.architectures import SHARED_DIR
+from mtbert.model.backbone import load_tokenizer
+from mtbert.model.saved import ModelFolderError, epoch_dir, load_model
+from mtbert.runtime import UserError
+
+Text = str | Sequence[str]  # one sentence, or a pair
+
+
+class InputError(UserError, ValueError):
+    """A text to predict is empty, a pair lacks a side, or an input file cannot be read."""
+
+
+def check_texts(task: Task, texts: Sequence[Text], where: str = "input") -> list[tuple[str, ...]]:
+    """Each text as a tuple of the task's text columns; an empty text or a missing side is an InputError."""
+    if not texts:
+        raise InputError(f"{where}: no texts to predict")
+    width = len(task.text_columns)
+    rows = []
+    for index, text in enumerate(texts, start=1):
+        row = (text,) if isinstance(text, str) else tuple(text)
+        if len(row) != width:
+            kind = "a pair of sentences" if width == 2 else "one sentence"
+            raise InputError(f"{where} row {index}: task {task.name} reads {kind} "
+                             f"({', '.join(task.text_columns)}), got {len(row)} text(s)")
+        for column, value in zip(task.text_columns, row, strict=True):
+            if not isinstance(value, str) or not value.strip():
+                raise InputError(f"{where} row {index}: {column} is empty; expected a non-empty text")
+        rows.append(row)
+    return rows
+
+
+def split_of(table, task: Task) -> TaskSplit:
+    """A tokenized table (as `encode_rows` makes it) as a TaskSplit, the way `load_split` reads its Parquet."""
+    columns = [name for name in ("input_ids", "token_type_ids", "input_ids_1", "input_ids_2")
+               if name in table.column_names]
+    return TaskSplit(task=task, ids=np.asarray(table.column("id").to_pylist(), dtype=object),
+                     labels=np.full(table.num_rows, np.nan),
+                     tokens={name: TokenColumn.from_arrow(table.column(name)) for name in columns})
+
+
+def describe(task: Task, values: np.ndarray) -> list[dict]:
+    """One JSON-ready dict per row: the dump's value columns and the predicted label."""
+    names = task.kind.value_columns()
+    matrix = values.reshape(len(values), -1)
+    labels = task.kind.predicted_labels(values)
+    return [{**{name: float(value) for name, value in zip(names, row, strict=True)}, "label": label.item()}
+            for row, label in zip(matrix, np.asarray(labels), strict=True)]
+
+
+class Predictor:
+    """A trained variant's folder, ready to predict any of its tasks on lists of texts."""
+
+    def __init__(self, model, params: dict, tokenizer, *, batch_size: int = 128, bf16: bool = False,
+                 device: str | torch.device = "cpu"):
+        self.model, self.tokenizer = model, tokenizer
+        self.tasks: dict[str, Task] = model.tasks
+        self.max_length = params["tokenize"]["max_length"]
+        self.unescape_ptb = set(params["data"]["unescape_ptb"])
+        self.batch_size, self.bf16, self.device = batch_size, bf16, torch.device(device)
+        self.model.to(self.device)
+
+    @classmethod
+    def load(cls, model_dir: Path | str, **options) -> Predictor:
+        """From `models/<variant>/` (the tokenizer is the one saved with its encoder, loaded as `tokenize`
+        loads the backbone's)."""
+        model, config = load_model(Path(model_dir))
+        folder = Path(model_dir)
+        if "task_epochs" in config:
+            folder = folder / epoch_dir(min(config["task_epochs"].values()))
+        return cls(model, config["params"], load_tokenizer(str(folder / SHARED_DIR)), **options)
+
+    def task(self, name: str) -> Task:
+        if name not in self.tasks:
+            raise InputError(f"unknown task {name!r}; this model predicts {', '.join(self.tasks)}")
+        return self.tasks[name]
+
+    def values(self, task_name: str, texts: Sequence[Text]) -> np.ndarray:
+        """Unrounded predictions as the dumps hold them: (N, C) class probabilities, else (N,)."""
+        task = self.task(task_name)
+        rows = check_texts(task, texts)
+        frame = pd.DataFrame(rows, columns=list(task.text_columns))
+        for column in task.text_columns:
+            frame[column] = clean_text(frame[column], task.name in self.unescape_ptb)
+        frame.insert(0, "id", [str(i) for i in range(len(frame))])
+        table, _ = encode_rows(self.tokenizer, frame, task, max_length=self.max_length, batch_size=1000)
+        return predict_split(self.model, split_of(table, task), self.batch_size, self.device, self.bf16)
+
+    def predict(self, task_name: str, texts: Sequence[Text]) -> list[dict]:
+        return describe(self.task(task_name), self.values(task_name, texts))
+
+
+class EnsemblePredictor:
+    """The ensemble stage's choice (metrics/ensemble.json): per task, the average of its members'
+    predictions in the stage's own order, so the results are the ensemble's dumps."""
+
+    def __init__(self, members: dict[str, list[str]], predictors: dict[str, Predictor]):
+        self.members, self.predictors = members, predictors
+        self.tasks = next(iter(predictors.values())).tasks
+
+    @classmethod
+    def load(cls, ensemble_file: Path | str = "metrics/ensemble.json", models_dir: Path | str = "models",
+             **options) -> EnsemblePredictor:
+        path = Path(ensemble_file)
+        try:
+            report = json.loads(path.read_text(encoding="utf-8"))
+            members = {task: report[task]["order"] for task in _tasks_of(report)}
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ModelFolderError(f"{path}: expected the ensemble stage's metrics/ensemble.json with each task's "
+                                   "`order` of members (run `dvc repro ensemble`)") from None
+        needed = sorted({member for order in members.values() for member in order})
+        snapshots = [member for member in needed if "@" in member]
+        if snapshots:
+            raise ModelFolderError(f"{path}: member {snapshots[0]} is an epoch snapshot, whose model is not kept; "
+                                   "run the ensemble with ensemble.snapshots: false to predict new text")
+        return cls(members, {name: Predictor.load(Path(models_dir) / name, **options) for name in needed})
+
+    def values(self, task_name: str, texts: Sequence[Text]) -> np.ndarray:
+        if task_name not in self.members:
+            raise InputError(f"unknown task {task_name!r}; this ensemble predicts {', '.join(self.members)}")
+        order = self.members[task_name]
+        predictions = {name: self.predictors[name].values(task_name, texts) for name in dict.fromkeys(order)}
+        return average(predictions, order)
+
+    def predict(self, task_name: str, texts: Sequence[Text]) -> list[dict]:
+        return describe(self.tasks[task_name], self.values(task_name, texts))
+
+
+def _tasks_of(report: dict) -> list[str]:
+    """The task sections of metrics/ensemble.json: those with an `order` of members."""
+    return [key for key, value in report.items() if isinstance(value, dict) and "order" in value]

@@ -1,0 +1,110 @@
+"""One encoder (or one per task, by arch), one head per declared task; losses and predictions by task kind."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtbert.data.tasks import Task
+from mtbert.model.architectures import TaskEncoders
+from mtbert.model.heads import CosineHead, MLPHead
+from mtbert.model.pooling import pool
+from mtbert.params import HeadParams
+
+
+class MultitaskModel(nn.Module):
+    """Outputs in loss space, by task kind: classification (B, C) logits, binary (B,) logit, regression
+    (B,) score on the head's target scale.
+
+    `arch` and `task_layers` (model.arch, model.task_layers) decide which encoders each head reads; see
+    mtbert/model/architectures.py.
+    """
+
+    def __init__(self, encoder: nn.Module, tasks: dict[str, Task], heads: dict[str, HeadParams],
+                 arch: str = "shared", task_layers: int = 0):
+        super().__init__()
+        self.tasks = tasks
+        self.encoders = TaskEncoders(encoder, list(tasks), arch, task_layers)
+        self.head_params = heads
+        dim = encoder.config.hidden_size
+        width = self.encoders.width
+        self.heads = nn.ModuleDict({name: self._make_head(task, heads[name], dim, width)
+                                    for name, task in tasks.items()})
+
+    @property
+    def encoder(self) -> nn.Module:
+        """The shared encoder (for cerbertus and independent: the first task's)."""
+        return self.encoders.shared
+
+    def perturbation_site(self, task: str, where: str) -> tuple[nn.Module, int | None]:
+        """Where SMART perturbs the task's input, in its first encoder: the word-embedding lookup (`words`)
+        or the whole embeddings module, after LayerNorm (`embeddings`); and the padding token id."""
+        encoder = self.encoders.for_task(task)[0]
+        site = encoder.get_input_embeddings() if where == "words" else encoder.embeddings
+        return site, encoder.config.pad_token_id
+
+    def parameter_owners(self) -> dict[str, str]:
+        """The task that alone uses each parameter, by name: its head, and the encoder layers of its own
+        (cerbertus' top layers, independent's whole tower). Parameters that several tasks use are absent."""
+        users: dict[int, set[str]] = {}
+        for task, head in self.heads.items():
+            for module in (*self.encoders.for_task(task), head):
+                for parameter in module.parameters():
+                    users.setdefault(id(parameter), set()).add(task)
+        return {name: next(iter(users[id(parameter)])) for name, parameter in self.named_parameters()
+                if len(users.get(id(parameter), ())) == 1}
+
+    @staticmethod
+    def _make_head(task: Task, params: HeadParams, dim: int, width: int) -> nn.Module:
+        out_dim = task.kind.output_size
+        if params.is_bi:
+            if params.combine == "cosine":
+                return CosineHead(affine=task.kind.cosine_affine)
+            return MLPHead(4 * width * dim, dim, out_dim, params.hidden_layers, params.dropout)
+        return MLPHead(width * dim, dim, out_dim, params.hidden_layers, params.dropout)
+
+    def embed(self, task: str, input_ids, attention_mask, pooling: str, token_type_ids=None) -> torch.Tensor:
+        pooled = []
+        for encoder in self.encoders.for_task(task):
+            output = encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+            pooled.append(pool(pooling, output.last_hidden_state, attention_mask,
+                               getattr(output, "pooler_output", None)))
+        return pooled[0] if len(pooled) == 1 else torch.cat(pooled, -1)
+
+    def forward(self, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        params = self.head_params[task]
+        head = self.heads[task]
+        if params.is_bi:
+            u, v = self._embed_pair(task, batch, params.pooling)
+            out = head(u, v) if isinstance(head, CosineHead) else head(torch.cat([u, v, (u - v).abs(), u * v], -1))
+        else:
+            out = head(self.embed(task, batch["input_ids"], batch["attention_mask"], params.pooling,
+                                  batch.get("token_type_ids")))
+        return self.tasks[task].kind.head_output(out, params, isinstance(head, CosineHead))
+
+    def _embed_pair(self, task: str, batch, pooling: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both sentences through the encoder in one call of 2B rows."""
+        ids_1, ids_2 = batch["input_ids_1"], batch["input_ids_2"]
+        width = max(ids_1.shape[1], ids_2.shape[1])
+        ids = torch.cat([F.pad(ids_1, (0, width - ids_1.shape[1])), F.pad(ids_2, (0, width - ids_2.shape[1]))])
+        mask = torch.cat([F.pad(batch["attention_mask_1"], (0, width - ids_1.shape[1])),
+                          F.pad(batch["attention_mask_2"], (0, width - ids_2.shape[1]))])
+        pooled = self.embed(task, ids, mask, pooling)
+        return pooled[: len(ids_1)], pooled[len(ids_1):]
+
+    def loss(self, task: str, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Batch-mean loss of the task's kind (cross-entropy, BCE with logits or MSE)."""
+        return self.tasks[task].kind.loss(outputs, labels, self.head_params[task])
+
+    def predictions(self, task: str, outputs: torch.Tensor) -> torch.Tensor:
+        """User-facing, by kind: class probabilities (B, C), P(label 1) (B,), or the score (B,)."""
+        return self.tasks[task].kind.predictions(outputs, self.head_params[task])
+
+    def divergence(self, task: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """SMART's and the Bregman teacher's l_s between two outputs in loss space, per example."""
+        return self.tasks[task].kind.divergence(a, b)
+
+    def encoding(self, task: str) -> str:
+        """How the task's input is read: `bi` (each sentence alone) or `cross` (one sequence)."""
+        return "bi" if self.head_params[task].is_bi else "cross"

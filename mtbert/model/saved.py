@@ -1,0 +1,154 @@
+"""Saving trained models in reloadable formats (resume checkpoints are in mtbert/training/checkpoint.py).
+
+A snapshot (the model as it was after one epoch) is a folder: `encoder/` (save_pretrained, with its
+tokenizer), one more save_pretrained folder per other encoder of its arch (`encoder-<task>/`,
+`encoder-static/`), `heads.safetensors` and `mtbert.json` (the merged params).
+
+A trained variant (`models/<variant>/`) keeps each task at the epoch it chose: `mtbert.json` with
+`task_epochs` (task -> epoch) and one snapshot folder `epoch-<E>/` per distinct chosen epoch. Where tasks
+share layers (every arch but `independent`), each task needs the shared layers of its own epoch, so a
+snapshot is kept whole. Folders are written beside their place and swapped in, never half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from mtbert import io
+from mtbert.model.architectures import SHARED_DIR
+from mtbert.model.card import CARD_FILE
+from mtbert.model.multitask import MultitaskModel
+from mtbert.runtime import UserError
+
+CONFIG_FILE = "mtbert.json"
+HEADS_FILE = "heads.safetensors"
+# The layout of a variant's folder; 2: per-task epochs in epoch-<E>/ snapshot folders.
+MODEL_FORMAT = 2
+
+
+class ModelFolderError(UserError, ValueError):
+    """A model folder is missing, incomplete, or was not written by this project's `train`."""
+
+
+def save_model(model: MultitaskModel, tokenizer, out_dir: Path, config: dict) -> None:
+    """Write the model folder next to out_dir, then swap it in, so out_dir is never half-written."""
+    with io.atomic_dir(out_dir) as temp:
+        model.encoders.save(temp, tokenizer)
+        heads = {name: tensor.detach().contiguous() for name, tensor in model.heads.state_dict().items()}
+        save_file(heads, str(temp / HEADS_FILE))
+        (temp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def epoch_dir(epoch: int) -> str:
+    return f"epoch-{epoch}"
+
+
+def assemble_model(out_dir: Path, snapshots_dir: Path, task_epochs: dict[str, int], config: dict,
+                   card: str | None = None) -> None:
+    """A variant's model folder from the snapshots <snapshots_dir>/epoch-<E>/ its tasks chose, with its
+    model card."""
+    with io.atomic_dir(out_dir) as temp:
+        for epoch in sorted(set(task_epochs.values())):
+            shutil.copytree(snapshots_dir / epoch_dir(epoch), temp / epoch_dir(epoch))
+        config = {"format": MODEL_FORMAT, **config, "task_epochs": task_epochs}
+        (temp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        if card is not None:
+            (temp / CARD_FILE).write_text(card, encoding="utf-8")
+
+
+class TaskSnapshots(nn.Module):
+    """A trained variant whose tasks come from different epochs: each task runs on its epoch's snapshot.
+
+    It answers what `predict_split` and the stages ask of a MultitaskModel: `tasks`, `encoding(task)`,
+    `forward(task, batch)` and `predictions(task, outputs)`.
+    """
+
+    def __init__(self, snapshots: dict[int, MultitaskModel], task_epochs: dict[str, int]):
+        super().__init__()
+        self.snapshots = nn.ModuleDict({str(epoch): model for epoch, model in snapshots.items()})
+        self.task_epochs = dict(task_epochs)
+        self.tasks = next(iter(snapshots.values())).tasks
+
+    def for_task(self, task: str) -> MultitaskModel:
+        return self.snapshots[str(self.task_epochs[task])]
+
+    def forward(self, task: str, batch):
+        return self.for_task(task)(task, batch)
+
+    def predictions(self, task: str, outputs):
+        return self.for_task(task).predictions(task, outputs)
+
+    def encoding(self, task: str) -> str:
+        return self.for_task(task).encoding(task)
+
+
+def load_model(model_dir: Path) -> tuple[MultitaskModel | TaskSnapshots, dict]:
+    """A trained variant's folder (or one snapshot folder) back as a model in eval mode, with its config:
+    a MultitaskModel when every task chose the same epoch, else a TaskSnapshots."""
+    model_dir = Path(model_dir)
+    config = read_config(model_dir / CONFIG_FILE)
+    task_epochs = config.get("task_epochs")
+    if task_epochs is None:
+        return load_snapshot(model_dir)
+    if config.get("format") != MODEL_FORMAT:
+        raise ModelFolderError(f"{model_dir / CONFIG_FILE}: a model folder of format {config.get('format')!r}; "
+                               f"this mtbert reads format {MODEL_FORMAT} (retrain it, or use the mtbert that wrote it)")
+    if not isinstance(task_epochs, dict) or not all(isinstance(e, int) for e in task_epochs.values()):
+        raise ModelFolderError(f"{model_dir / CONFIG_FILE}: task_epochs must map each task to an epoch number")
+    snapshots = {epoch: load_snapshot(model_dir / epoch_dir(epoch))[0] for epoch in sorted(set(task_epochs.values()))}
+    missing = [task for task in next(iter(snapshots.values())).tasks if task not in task_epochs]
+    if missing:
+        raise ModelFolderError(f"{model_dir / CONFIG_FILE}: task_epochs names no epoch for task {missing[0]!r}")
+    if len(snapshots) == 1:
+        return next(iter(snapshots.values())), config
+    return TaskSnapshots(snapshots, task_epochs).eval(), config
+
+
+def read_config(config_path: Path) -> dict:
+    if not config_path.is_file():
+        raise ModelFolderError(f"{config_path} is missing; expected a model folder written by `train` "
+                               "(run `dvc repro train@<variant>`)")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except ValueError:
+        config = None
+    if not isinstance(config, dict) or not isinstance(config.get("params"), dict):
+        raise ModelFolderError(f"{config_path}: not an mtbert model config (expected JSON with a 'params' "
+                               "section, as `train` writes)")
+    return config
+
+
+def load_snapshot(model_dir: Path) -> tuple[MultitaskModel, dict]:
+    """One snapshot folder back as a MultitaskModel (in eval mode), with its saved config."""
+    from transformers import AutoModel
+
+    from mtbert.data.tasks import tasks_from_params
+    from mtbert.params import ModelSpec, ParamsError, parse_section
+
+    config_path = model_dir / CONFIG_FILE
+    for required in (config_path, model_dir / HEADS_FILE, model_dir / SHARED_DIR / "config.json"):
+        if not required.is_file():
+            raise ModelFolderError(f"{required} is missing; expected a model folder written by `train` "
+                                   "(run `dvc repro train@<variant>`)")
+    config = read_config(config_path)
+    saved = config["params"]
+    if not saved.get("tasks"):
+        raise ModelFolderError(f"{config_path}: declares no tasks (a model folder from an older mtbert, "
+                               "before tasks were params? retrain it)")
+    # Only the tasks, heads and arch shape the model; the other sections may have grown since it was saved.
+    try:
+        spec = parse_section(ModelSpec, {"tasks": saved.get("tasks"), "heads": saved.get("heads")}, "",
+                             source=str(config_path))
+    except ParamsError as error:
+        raise ModelFolderError(f"{error} (a model folder from another version of mtbert? retrain it)") from None
+    encoder = AutoModel.from_pretrained(model_dir / SHARED_DIR, attn_implementation="sdpa")
+    model = MultitaskModel(encoder, tasks_from_params(spec.tasks), spec.heads,
+                           saved.get("model", {}).get("arch", "shared"), saved.get("model", {}).get("task_layers", 0))
+    model.encoders.load_extra(model_dir)
+    model.heads.load_state_dict(load_file(str(model_dir / HEADS_FILE)))
+    return model.eval(), config

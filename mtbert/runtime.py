@@ -1,0 +1,113 @@
+"""Process-wide setup shared by the stage commands."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+class UserError(Exception):
+    """Bad params, data or model folder: the message names the file, row or key and what was expected.
+
+    A stage run through `run_app` prints it as one line and exits 1; MTBERT_DEBUG=1 shows the traceback.
+    """
+
+
+class MissingInputError(UserError, FileNotFoundError):
+    """A stage's input file is not there (an earlier stage has not run)."""
+
+
+def run_app(app) -> None:
+    """Run a stage's typer app, turning a UserError into one line on stderr and exit status 1."""
+    try:
+        app()
+    except UserError as error:
+        if os.environ.get("MTBERT_DEBUG"):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
+
+
+def setup_logging(level: str | None = None) -> None:
+    """Timestamped log lines on stderr, so a long stage always says what it is doing."""
+    logging.basicConfig(level=level or os.environ.get("MTBERT_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+
+
+# glibc's mallopt parameters (malloc.h).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+
+def limit_memory_growth(onednn_cache: int, malloc_threshold_mb: int) -> None:
+    """Cap what grows with the number of distinct batch shapes (docs/performance.md): oneDNN's cache of
+    kernels built per shape, and glibc's heap, which keeps freed activation buffers of every size instead
+    of handing them back. 0 leaves either as it is. Call before the first oneDNN kernel runs (it reads
+    the capacity once)."""
+    if onednn_cache:
+        os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(onednn_cache)
+    if malloc_threshold_mb and sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        size = malloc_threshold_mb * 2 ** 20
+        # blocks above `size` get their own mapping, returned on free; free heap above it is trimmed
+        for parameter in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD):
+            if libc.mallopt(parameter, size) != 1:
+                raise UserError(f"runtime.malloc_threshold_mb: glibc's mallopt refused {malloc_threshold_mb} MB; "
+                                "expected a size it accepts, or 0 to leave glibc's default")
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory, in GiB. On Linux it is VmHWM, which counts from the process's
+    own start: getrusage's ru_maxrss also holds the parent's resident memory at fork, carried across exec,
+    so a child reads at least its parent's size at fork, whatever it does (docs/performance.md, figure 6)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2 ** 20  # kB
+    except OSError:
+        pass  # not Linux: the inherited part is the lesser evil
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2 ** 30 if sys.platform == "darwin" else peak / 2 ** 20  # bytes on macOS, KiB elsewhere
+
+
+def use_bf16(setting: bool | str, device) -> bool:
+    """Whether to run bf16 autocast: `true`/`false` as set; `auto` where the device computes bf16 natively
+    (a GPU with bf16, a CPU with AVX512-BF16 or AMX). Emulated (a CPU without bf16 units), bf16 is many
+    times slower than fp32 (docs/performance.md)."""
+    import torch
+
+    if setting != "auto":
+        return bool(setting)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def setup_torch(seed: int, threads: int):
+    """Seed torch, set CPU threads (0 keeps torch's default) and pick the device."""
+    import torch
+
+    torch.manual_seed(seed)
+    if threads:
+        torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def open_live(live_dir, history: list[dict], log_record) -> object:
+    """A fresh DVCLive folder with `history` replayed through `log_record`, so a resumed run logs each
+    point once (DVCLive's own resume would append to what a killed run already wrote)."""
+    import shutil
+
+    from dvclive import Live
+
+    shutil.rmtree(live_dir, ignore_errors=True)
+    live = Live(dir=str(live_dir), resume=False, report=None, save_dvc_exp=False, dvcyaml=None)
+    for record in history:
+        log_record(live, record)
+    return live

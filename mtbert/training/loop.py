@@ -1,0 +1,98 @@
+"""What both training loops (fine-tuning and masked-LM) share: their paths, the training clock, the
+optimiser step, the non-finite-loss guard and the speed record."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from mtbert.runtime import UserError, peak_rss_gib
+from mtbert.training.distributed import Ranks, average_gradients
+
+
+class TrainingError(UserError, RuntimeError):
+    """Training cannot go on (e.g. a non-finite loss)."""
+
+
+@dataclasses.dataclass
+class Paths:
+    tokenized: Path
+    model_out: Path
+    metrics_out: Path
+    live_dir: Path
+    checkpoints: Path
+    pretrained: Path | None = None  # fine-tuning: the `pretrain` stage's output; None starts from model.name
+    snapshots: Path | None = None  # fine-tuning: where each epoch's dev and test prediction dumps go
+
+    @property
+    def checkpoint_file(self) -> Path:
+        return self.checkpoints / "last.pt"
+
+
+class Stopwatch:
+    """Seconds spent training, excluding evaluation and checkpoint writes (run inside `paused()`)."""
+
+    def __init__(self, seconds: float = 0.0):
+        self.seconds = seconds
+        self._started: float | None = None
+
+    def start(self) -> None:
+        self._started = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        running = self._started is not None
+        self.stop()
+        try:
+            yield
+        finally:
+            if running:
+                self.start()
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def optimizer_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float, ranks: Ranks,
+                   average: bool = True) -> None:
+    """Average the gradients over the ranks (unless the caller already did), clip, step, zero."""
+    if average:
+        average_gradients(trainable(model), ranks)
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def check_finite(loss: torch.Tensor, what: str, where: str, checkpoints: Path, hint: str) -> None:
+    """Stop on a non-finite loss, keeping the last good checkpoint."""
+    if not torch.isfinite(loss):
+        raise TrainingError(f"non-finite {what} ({loss.item()}) {where}; the last good checkpoint is kept "
+                            f"in {checkpoints}. {hint}")
+
+
+def speed(seconds: float, ranks: Ranks, bf16: bool, steps: int, examples: int | None, tokens: int) -> dict:
+    """The only part of a summary that differs between identical runs."""
+    record = {"processes": ranks.world_size, "bf16": bf16,  # `auto` differs between machines
+              "train_seconds": round(seconds, 1)}
+    clock = max(seconds, 1e-9)
+    if examples is None:
+        record["steps_per_second"] = round(steps / clock, 3)
+    else:
+        record["seconds_per_step"] = round(seconds / steps, 4)
+        record["examples_per_second"] = round(examples / clock, 2)
+    record["tokens_per_second"] = round(tokens / clock, 1)
+    record["peak_rss_gib"] = round(peak_rss_gib(), 2)  # since this process started (after a resume: since it)
+    return record

@@ -1,1 +1,0 @@
-"""Code shared by the stages."""
