@@ -44,24 +44,29 @@ TASK_NAMES = ("sst", "qqp", "sts", "cfimdb", "nli")
 HEADLINE = {"sst": "accuracy", "qqp": "accuracy", "sts": "pearson", "cfimdb": "accuracy", "nli": "macro_f1"}
 
 
-def fourth_task_files(rows: int) -> dict[str, str]:
+def task_files(prefix: str, id_letter: str, columns: list[str], row, rows: int) -> dict[str, str]:
+    """Raw train, dev and test files of a task (ids `<split>-<id_letter><i>`): `row(i, split)` gives row i's
+    text cells and its label."""
     files = {}
     for split, suffix in (("train", "train"), ("dev", "dev"), ("test", "test-student")):
-        header = "\tid\tsentence" + ("" if split == "test" else "\tsentiment")
-        lines = [f"{i}\t{split}-c{i}\t{'a fine film' if i % 2 else 'a dull film'} number {i}"
-                 + ("" if split == "test" else f"\t{i % 2}") for i in range(rows)]
-        files[f"ids-cfimdb-{suffix}.csv"] = "\n".join([header, *lines]) + "\n"
+        header = "\t".join(["", "id", *columns[:-1], *([] if split == "test" else columns[-1:])])
+        lines = []
+        for i in range(rows):
+            texts, label = row(i, split)
+            lines.append("\t".join([str(i), f"{split}-{id_letter}{i}", *texts, *([] if split == "test" else [label])]))
+        files[f"{prefix}-{suffix}.csv"] = "\n".join([header, *lines]) + "\n"
     return files
+
+
+def fourth_task_files(rows: int) -> dict[str, str]:
+    return task_files("ids-cfimdb", "c", ["sentence", "sentiment"],
+                      lambda i, split: ([f"{'a fine film' if i % 2 else 'a dull film'} number {i}"], str(i % 2)), rows)
 
 
 def fifth_task_files(rows: int) -> dict[str, str]:
-    files = {}
-    for split, suffix in (("train", "train"), ("dev", "dev"), ("test", "test-student")):
-        header = "\tid\tpremise\thypothesis" + ("" if split == "test" else "\tgold")
-        lines = [f"{i}\t{split}-n{i}\ta man plays number {i}\t{['he sleeps', 'a man plays', 'he plays'][i % 3]}"
-                 + ("" if split == "test" else f"\t{i % 3}") for i in range(rows)]
-        files[f"nli-{suffix}.csv"] = "\n".join([header, *lines]) + "\n"
-    return files
+    return task_files("nli", "n", ["premise", "hypothesis", "gold"],
+                      lambda i, split: ([f"a man plays number {i}", ["he sleeps", "a man plays", "he plays"][i % 3]],
+                                        str(i % 3)), rows)
 
 
 @pytest.fixture(scope="module")

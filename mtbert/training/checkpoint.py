@@ -65,3 +65,13 @@ def load_checkpoint(path: Path, cls: type[State], progress_cls: type, fingerprin
         return None
     state["progress"] = progress_cls.from_json(json.loads(state["progress"]))
     return cls(**state)
+
+
+def restore(state: Any, model: torch.nn.Module, optimizer, scheduler, ranks: Ranks) -> dict:
+    """Load a checkpoint's weights, optimiser, scheduler and this rank's RNG; return this rank's own state."""
+    model.load_state_dict(state.model)
+    optimizer.load_state_dict(state.optimizer)
+    scheduler.load_state_dict(state.scheduler)
+    own = state.ranks[ranks.rank]
+    set_rng_state(own["rng"])
+    return own

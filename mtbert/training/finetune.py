@@ -44,7 +44,7 @@ from mtbert.model.saved import assemble_model, epoch_dir, save_model
 from mtbert.params import Params, TrainParams, as_dict
 from mtbert.runtime import open_live, use_bf16
 from mtbert.training.averaging import MovingAverage, NoAverage, weight_average
-from mtbert.training.checkpoint import every_rank, load_checkpoint, save_checkpoint, set_rng_state
+from mtbert.training.checkpoint import every_rank, load_checkpoint, restore, save_checkpoint
 from mtbert.training.distributed import Ranks, broadcast, shard, sync_parameters
 from mtbert.training.gradients import PCGradGradients, PlainGradients, gradient_rule
 from mtbert.training.loop import Paths, Stopwatch, check_finite, optimizer_step, speed, trainable
@@ -240,12 +240,8 @@ def resume(run: FineTuning, fingerprint: str) -> Progress:
             for leftover in (run.saved_epochs, run.snapshot_dumps):
                 shutil.rmtree(leftover, ignore_errors=True)
         return Progress.start(run.tasks)
-    run.model.load_state_dict(state.model)
-    run.optimizer.load_state_dict(state.optimizer)
-    run.scheduler.load_state_dict(state.scheduler)
-    own = state.ranks[run.ranks.rank]
+    own = restore(state, run.model, run.optimizer, run.scheduler, run.ranks)
     run.objective.load_state_dict(own["objective"])
-    set_rng_state(own["rng"])
     for name, stream in run.streams.items():
         stream.load_state(state.streams[name])
     run.average.load_state_dict(state.average)

@@ -35,7 +35,7 @@ from mtbert.data.tasks import tasks_from_params, tokenized_path
 from mtbert.model.backbone import PROVENANCE_FILE, load_encoder, load_masked_lm, load_tokenizer
 from mtbert.params import Params, PretrainParams, as_dict
 from mtbert.runtime import open_live, use_bf16
-from mtbert.training.checkpoint import every_rank, load_checkpoint, save_checkpoint, set_rng_state
+from mtbert.training.checkpoint import every_rank, load_checkpoint, restore, save_checkpoint
 from mtbert.training.distributed import Ranks, average_tensor, broadcast, shard, sync_parameters
 from mtbert.training.loop import Paths, Stopwatch, check_finite, optimizer_step, speed
 from mtbert.training.optim import LayerwiseLR, layerwise_optimizer
@@ -202,12 +202,8 @@ def resume(run: MaskedLM, fingerprint: str) -> Progress:
     state = load_checkpoint(run.paths.checkpoint_file, MaskedLMCheckpoint, Progress, fingerprint)
     if state is None:
         return Progress.start()
-    run.model.load_state_dict(state.model)
-    run.optimizer.load_state_dict(state.optimizer)
-    run.scheduler.load_state_dict(state.scheduler)
-    own = state.ranks[run.ranks.rank]
+    own = restore(state, run.model, run.optimizer, run.scheduler, run.ranks)
     run.generator.set_state(own["generator"])
-    set_rng_state(own["rng"])
     run.stream.load_state(state.stream)
     run.stopwatch = Stopwatch(state.progress.train_seconds)
     log.info("resuming masked-LM training at step %d", state.progress.step)
