@@ -12,6 +12,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist runs one worker per core: one torch thread each, so the workers do not fight over the
+    # cores. torch reads it when it starts, so it is set before any test imports torch.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BACKBONE = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -186,3 +191,16 @@ def kill_once_checkpointed(command: list[str], checkpoint: Path, timeout: float 
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert checkpoint.exists()
+
+
+# The longest test files first: pytest-xdist hands out whole files in collection order, so a long file
+# collected last would leave the other worker idle at the end.
+LONGEST_FIRST = ("test_pipeline.py", "test_distributed.py", "test_train.py", "test_arch.py", "test_errors.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order

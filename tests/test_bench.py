@@ -4,8 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
+from bench.peer import Tally, mixed_rate, num_labels
 from bench.suite import app, pad_to
 from tests.conftest import make_params, synthetic_raw_files, write_raw_files
 
@@ -18,6 +20,22 @@ def test_pad_to_pads_token_tensors_only():
     padded = pad_to(batch, 5)
     assert padded["input_ids"].tolist() == [[1, 1, 1, 0, 0]] * 2
     assert padded["attention_mask"].sum() == 6 and torch.equal(padded["labels"], batch["labels"])
+
+
+def test_the_overall_rate_weights_each_task_by_its_share_of_the_batches():
+    """Per-batch means weighted by the epoch's mix, not the timed sample's: sst 10 examples in 1 s per batch,
+    qqp 20 in 1 s per batch, equal shares: 15 examples/s, however many batches of each were timed."""
+    tallies = {"sst": Tally(seconds=1.0, examples=10, tokens=100, batches=1),
+               "qqp": Tally(seconds=4.0, examples=80, tokens=400, batches=4)}
+    rate = mixed_rate(tallies, {"sst": 0.5, "qqp": 0.5})
+    assert rate == {"examples_per_second": 15.0, "tokens_per_second": 100.0}
+    assert mixed_rate(tallies, {"sst": 0.0, "qqp": 1.0})["examples_per_second"] == 20.0
+
+
+def test_the_peer_has_run_glues_label_counts():
+    from mtbert.data.kinds import Binary, Classification, Regression
+
+    assert [num_labels(kind) for kind in (Classification(5), Binary(), Regression(0, 5))] == [5, 2, 1]
 
 
 def test_a_child_process_reports_its_own_peak_memory_not_its_parents():
@@ -34,7 +52,7 @@ def test_suite_writes_every_figure(tmp_path, tiny_backbone, tiny_tokenized):
     raw = write_raw_files(tmp_path / "raw", synthetic_raw_files(16))
     params = make_params(tmp_path, tiny_backbone, raw)
     out = tmp_path / "bench.json"
-    result = CliRunner().invoke(app, ["--train-steps", "2", "--block", "1", "--smart-steps", "2",
+    result = CliRunner().invoke(app, ["--train-steps", "2", "--block", "1", "--smart-steps", "2", "--peer-steps", "2",
                                       "--predict-examples", "8", "--memory-steps", "2",
                                       "--params-file", str(params), "--tokenized-dir", str(tiny_tokenized),
                                       "--json-out", str(out)])
@@ -47,4 +65,41 @@ def test_suite_writes_every_figure(tmp_path, tiny_backbone, tiny_tokenized):
     assert 0 < figures["peak_rss_gib"] < 24
     assert figures["engine"]["single_sentence_ms"]["p95"] >= figures["engine"]["single_sentence_ms"]["p50"] > 0
     assert figures["engine"]["engine_sentences_per_second"] > 0
-    assert "1. train speed-up default / naive" in result.output and "7. mtbert predict" in result.output
+    # the Trainer peer against mtbert's train step: 2 timed batches of 4 per task each way
+    peer = figures["peer"]
+    assert set(peer["tasks"]) == {"sst", "qqp", "sts"} and peer["steps_per_task"] == 2
+    for row in peer["tasks"].values():
+        for side in ("peer", "mtbert"):
+            assert row[side]["examples_per_second"] > 0 and row[side]["tokens_per_second"] > 0
+            assert row[side]["batches"] == 2 and row[side]["examples"] == 8
+        assert row["ratio"] > 0
+    assert peer["overall"]["ratio"] > 0 and peer["overall"]["peer"]["examples_per_second"] > 0
+    assert abs(sum(peer["task_share"].values()) - 1) < 1e-3 and peer["precision"] == "fp32"
+    # the matmul peak at the model's own shapes, and the training's fraction of it
+    shapes = figures["matmul_shape_gflops"]
+    assert shapes["rows"] > 0 and (shapes["hidden"], shapes["intermediate"]) == (384, 1536)
+    assert all(shapes[precision][name] > 0 for precision in ("fp32", "bf16")
+               for name in ("qkvo", "ffn_up", "ffn_down", "layer"))
+    assert all(figures["train"][name]["fraction_of_shape_peak"] > 0 for name in figures["train"])
+    # the peer is the headline, printed first
+    output = result.output
+    assert "1. train speed mtbert / Hugging Face Trainer" in output and "7. mtbert predict" in output
+    assert output.index("1. train speed mtbert / Hugging Face Trainer") < output.index("1b. train speed-up default")
+
+
+def test_profile_groups_a_steps_operators_into_categories(tmp_path, tiny_backbone, tiny_tokenized):
+    from bench.profile_step import app as profile_app
+    from bench.profile_step import category
+
+    assert category("aten::addmm") == "matmul" and category("aten::_fused_adamw_") == "optimizer (AdamW)"
+    assert category("aten::bernoulli_") == "dropout" and category("aten::something_new") == "other operators"
+    params = make_params(tmp_path, tiny_backbone, write_raw_files(tmp_path / "raw", synthetic_raw_files(16)))
+    out = tmp_path / "profile.json"
+    result = CliRunner().invoke(profile_app, ["--steps", "2", "--warmup", "1", "--params-file", str(params),
+                                              "--tokenized-dir", str(tiny_tokenized), "--json-out", str(out)])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    shares = [entry["share"] for entry in figures["categories"].values()]
+    assert figures["steps"] == 2 and "matmul" in figures["categories"] and all(share >= 0 for share in shares)
+    assert figures["outside_operators_share"] == pytest.approx(max(0.0, 1 - sum(shares)), abs=0.01)
+    assert figures["top_operators"] and "top operators (self CPU)" in result.output

@@ -1,0 +1,291 @@
+"""The peer of the training benchmark: what a user would run instead of mtbert, measured in the same run.
+
+That is three Hugging Face `Trainer` fine-tunings of the same backbone, one per task, the way the
+`run_glue` example script does it: `AutoModelForSequenceClassification` (SST-5 5 labels, QQP 2, STS 1 for
+regression), `DataCollatorWithPadding`, `group_by_length`, `per_device_train_batch_size` = mtbert's batch
+size for the task (32 by default), bf16 by the same rule as mtbert's `train.bf16` (`run.bf16`), the
+Trainer's default optimiser (fused AdamW on recent versions) and linear schedule, `max_grad_norm` =
+`train.grad_clip`; pairs cross-encoded as `[CLS] a [SEP] b [SEP]` (the tokenized Parquet's `input_ids` and
+`token_type_ids`), whatever encoding mtbert's own head for the task uses.
+
+A peer step is what `Trainer.train`'s inner loop does per batch with no gradient accumulation: fetch the
+batch from `get_train_dataloader()` (collation included, through `get_batch_samples` where the installed
+version has it), `training_step`, gradient clipping, `optimizer.step`, `lr_scheduler.step`, `zero_grad`;
+the model and optimiser prepared by the Trainer's `accelerator` as `train` prepares them (that is where
+bf16 autocast comes from). An mtbert step is what the `train` stage runs: `finetune.step` then
+`finetune.update` (batch assembly, the objective, backward, the optimiser, the weights' moving average).
+
+Both train the same task mix: the steps are a subsequence of mtbert's own schedule (`schedule(run, 0)`,
+its first `steps_per_task` steps of each task, in schedule order), run by both sides alternating block by
+block, so a change in the machine's speed hits both alike. The overall figures weight each task by its
+share of an epoch's batches, so they are the rate of a whole epoch's mix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib.util
+import inspect
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mtbert.data.batches import TaskSplit
+from mtbert.model.backbone import load_tokenizer, resolve_backbone, starting_point
+from mtbert.runtime import UserError
+from mtbert.training.finetune import FineTuning, Progress, schedule, step, update
+
+
+@dataclasses.dataclass
+class Tally:
+    """Timed batches of one task (or of everything) on one side."""
+    seconds: float = 0.0
+    examples: int = 0
+    tokens: int = 0  # non-padding
+    batches: int = 0
+
+    def add(self, seconds: float, examples: int, tokens: int) -> None:
+        self.seconds += seconds
+        self.examples += examples
+        self.tokens += tokens
+        self.batches += 1
+
+    def figures(self) -> dict:
+        return {"examples_per_second": round(self.examples / self.seconds, 2),
+                "tokens_per_second": round(self.tokens / self.seconds, 1), "seconds": round(self.seconds, 3),
+                "examples": self.examples, "batches": self.batches}
+
+
+def mixed_rate(tallies: dict[str, Tally], share: dict[str, float]) -> dict:
+    """Examples/s and tokens/s of a mix of tasks in which task t makes up share[t] of the batches: per
+    batch means weighted by the shares (the rate of a whole epoch, not of the timed sample's mix)."""
+    def weighted(value) -> float:
+        return sum(share[t] * value(tally) / tally.batches for t, tally in tallies.items())
+
+    seconds = weighted(lambda tally: tally.seconds)
+    return {"examples_per_second": round(weighted(lambda tally: tally.examples) / seconds, 2),
+            "tokens_per_second": round(weighted(lambda tally: tally.tokens) / seconds, 1)}
+
+
+# --- the peer ---------------------------------------------------------------------------------------
+class CrossEncodedRows(torch.utils.data.Dataset):
+    """One task's training rows as a Trainer is fed them: per example `input_ids`, `token_type_ids` (pairs
+    cross-encoded) and `labels`, as Python lists and numbers, cut out of the Arrow columns on demand."""
+
+    def __init__(self, split: TaskSplit, regression: bool):
+        self.ids, self.types = split.tokens["input_ids"], split.tokens["token_type_ids"]
+        self.labels = split.labels.astype(np.float32 if regression else np.int64)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        ids, types = self.ids, self.types
+        return {"input_ids": ids.values[ids.offsets[i]:ids.offsets[i + 1]].tolist(),
+                "token_type_ids": types.values[types.offsets[i]:types.offsets[i + 1]].tolist(),
+                "labels": self.labels[i].item()}
+
+
+def num_labels(kind) -> int:
+    """run_glue's: a class per label (binary: 2), 1 for regression."""
+    return {"regression": 1, "binary": 2}.get(kind.name, kind.output_size)
+
+
+def require_accelerate() -> None:
+    if importlib.util.find_spec("accelerate") is None:
+        raise UserError("the Trainer peer needs accelerate: `pip install -e .[bench]` (or `.[dev]`)")
+
+
+def training_arguments(run: FineTuning, task: str, output_dir: Path):
+    """run_glue's arguments for one task; only what this version of transformers calls them varies."""
+    from transformers import TrainingArguments
+
+    fields = {field.name for field in dataclasses.fields(TrainingArguments)}
+    # transformers 5 replaced group_by_length=True by train_sampling_strategy="group_by_length"
+    grouping = {"group_by_length": True} if "group_by_length" in fields else \
+        {"train_sampling_strategy": "group_by_length"}
+    return TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=run.p.batch_size[task],
+                             bf16=run.bf16, use_cpu=run.device.type == "cpu", learning_rate=run.p.lr,
+                             weight_decay=run.p.weight_decay, max_grad_norm=run.p.grad_clip,
+                             num_train_epochs=run.p.epochs, seed=run.p.seed, report_to="none",
+                             save_strategy="no", disable_tqdm=True, **grouping)
+
+
+class TrainerPeer:
+    """One task's Trainer fine-tuning, set up as `Trainer.train` sets itself up, stepped one batch at a time."""
+
+    def __init__(self, run: FineTuning, task: str, output_dir: Path):
+        from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, Trainer
+
+        require_accelerate()
+        start = starting_point(run.params.model.name, run.paths.pretrained)
+        tokenizer = load_tokenizer(start)
+        kind = run.tasks[task].kind
+        model = AutoModelForSequenceClassification.from_pretrained(resolve_backbone(start),
+                                                                   num_labels=num_labels(kind))
+        dataset = CrossEncodedRows(run.train_data[task], regression=kind.name == "regression")
+        args = training_arguments(run, task, output_dir)
+        # transformers 4.46 renamed Trainer(tokenizer=) to processing_class=
+        named = "processing_class" if "processing_class" in inspect.signature(Trainer.__init__).parameters \
+            else "tokenizer"
+        trainer = Trainer(model=model, args=args, data_collator=DataCollatorWithPadding(tokenizer),
+                          train_dataset=dataset, **{named: tokenizer})
+        # as Trainer.train: the optimiser, the model and optimiser prepared by accelerate (bf16 autocast
+        # wraps the model's forward there), then the schedule, over `train.epochs` epochs of the task
+        trainer.create_optimizer()
+        self.model, trainer.optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
+        trainer.model_wrapped = self.model
+        trainer.create_scheduler(num_training_steps=math.ceil(len(dataset) / args.per_device_train_batch_size)
+                                 * run.p.epochs, optimizer=trainer.optimizer)
+        self.trainer, self.args = trainer, args
+        self.dataloader = trainer.get_train_dataloader()
+        self.epoch, self.batches = 0, iter(self.dataloader)
+        self.takes_items = "num_items_in_batch" in inspect.signature(trainer.training_step).parameters
+        fetch = getattr(trainer, "get_batch_samples", None)  # 4.46+: the loop fetches through it
+        self.fetch_takes_device = fetch is not None and "device" in inspect.signature(fetch).parameters
+        self.model.zero_grad()
+
+    def next_batch(self) -> tuple[dict, object]:
+        """The next batch and its item count for the loss, as the inner loop fetches them; a new epoch of
+        the dataloader when one ends."""
+        trainer = self.trainer
+        for _ in range(2):
+            if hasattr(trainer, "get_batch_samples"):
+                extra = (self.args.device,) if self.fetch_takes_device else ()
+                batches, items = trainer.get_batch_samples(self.batches, 1, *extra)
+                if batches:
+                    return batches[0], items
+            else:
+                batch = next(self.batches, None)
+                if batch is not None:
+                    return batch, None
+            self.epoch += 1
+            if hasattr(self.dataloader, "set_epoch"):
+                self.dataloader.set_epoch(self.epoch)
+            self.batches = iter(self.dataloader)
+        raise RuntimeError("the Trainer's dataloader yields no batch")
+
+    def step(self) -> tuple[int, int]:
+        """One training step of one batch; its examples and non-padding tokens."""
+        trainer = self.trainer
+        inputs, items = self.next_batch()
+        examples, tokens = len(inputs["input_ids"]), int(inputs["attention_mask"].sum())
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.training_step(self.model, inputs, **({"num_items_in_batch": items} if self.takes_items else {}))
+        if self.args.max_grad_norm > 0:
+            trainer.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+        self.model.zero_grad()
+        return examples, tokens
+
+
+# --- mtbert's side ----------------------------------------------------------------------------------
+def mtbert_step(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> tuple[int, int]:
+    """One step of the `train` stage (step, then the optimiser update); its examples and non-padding tokens."""
+    before = progress.totals.examples, progress.totals.tokens
+    step(run, progress, tasks)
+    update(run, progress)
+    return progress.totals.examples - before[0], progress.totals.tokens - before[1]
+
+
+# --- the plan and the measurement -------------------------------------------------------------------
+def timed_plan(run: FineTuning, steps_per_task: int) -> list[tuple[str, ...]]:
+    """The first `steps_per_task` steps of each task in mtbert's schedule, in schedule order (the epochs'
+    schedules one after another, as far as the run's epochs go)."""
+    counts = dict.fromkeys(run.tasks, 0)
+    plan = []
+    for epoch in range(run.p.epochs):
+        for tasks in schedule(run, epoch):
+            if any(counts[task] < steps_per_task for task in tasks):
+                plan.append(tasks)
+                for task in tasks:
+                    counts[task] += 1
+            if all(count >= steps_per_task for count in counts.values()):
+                return plan
+    return plan
+
+
+def task_share(run: FineTuning) -> dict[str, float]:
+    """Each task's share of the batches of mtbert's first epoch."""
+    counts = dict.fromkeys(run.tasks, 0)
+    for tasks in schedule(run, 0):
+        for task in tasks:
+            counts[task] += 1
+    total = sum(counts.values())
+    return {task: count / total for task, count in counts.items()}
+
+
+def peer_figures(run: FineTuning, progress: Progress, steps_per_task: int, block: int, scratch: Path) -> dict:
+    """Examples/s and non-padding tokens/s of the Trainer peer and of mtbert's `train` step, per task and
+    over an epoch's task mix, alternating block by block over the same schedule of tasks; the ratio
+    mtbert / peer of examples/s. mtbert's batch streams are left where they were."""
+    from transformers.utils import logging as hf_logging
+
+    threads, verbosity = torch.get_num_threads(), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # not the fresh heads' load report three times over
+    try:
+        peers = {task: TrainerPeer(run, task, scratch / f"peer-{task}") for task in run.tasks}
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    torch.set_num_threads(threads)  # whatever the Trainer's set-up did, both sides run on the same threads
+    plan = timed_plan(run, steps_per_task)
+    share = task_share(run)
+    streams = {task: stream.state() for task, stream in run.streams.items()}
+    sides = ("peer", "mtbert")
+    tallies = {side: {task: Tally() for task in run.tasks} for side in sides}
+    whole = {side: Tally() for side in sides}  # everything timed, for steps of several tasks (sampler: joint)
+    for task in run.tasks:  # warm-up, untimed: a batch of each task each way
+        peers[task].step()
+        mtbert_step(run, progress, (task,))
+    for start in range(0, len(plan), block):
+        for tasks in plan[start:start + block]:
+            started = time.perf_counter()
+            examples, tokens = mtbert_step(run, progress, tasks)
+            seconds = time.perf_counter() - started
+            whole["mtbert"].add(seconds, examples, tokens)
+            if len(tasks) == 1:
+                tallies["mtbert"][tasks[0]].add(seconds, examples, tokens)
+        for tasks in plan[start:start + block]:
+            for task in tasks:
+                started = time.perf_counter()
+                examples, tokens = peers[task].step()
+                seconds = time.perf_counter() - started
+                whole["peer"].add(seconds, examples, tokens)
+                tallies["peer"][task].add(seconds, examples, tokens)
+    for task, stream in run.streams.items():
+        stream.load_state(streams[task])
+    peer_setup = peers[next(iter(peers))].args
+    del peers
+    gc.collect()
+    return summarise(tallies, whole, share, steps_per_task, run.bf16, peer_setup)
+
+
+def summarise(tallies: dict[str, dict[str, Tally]], whole: dict[str, Tally], share: dict[str, float],
+              steps_per_task: int, bf16: bool, args) -> dict:
+    import transformers
+
+    tasks = {}
+    for task in share:
+        row = {side: tallies[side][task].figures() if tallies[side][task].batches else None for side in tallies}
+        row["ratio"] = round(row["mtbert"]["examples_per_second"] / row["peer"]["examples_per_second"], 3) \
+            if row["mtbert"] and row["peer"] else None
+        tasks[task] = row
+    per_task = all(tallies[side][task].batches for side in tallies for task in share)
+    # With steps of several tasks (sampler: joint) mtbert's time is not split by task: everything timed
+    # is the mix then, the schedule's own.
+    overall = {side: mixed_rate(tallies[side], share) if per_task else
+               {key: value for key, value in whole[side].figures().items() if key.endswith("_per_second")}
+               for side in tallies}
+    overall["ratio"] = round(overall["mtbert"]["examples_per_second"] / overall["peer"]["examples_per_second"], 3)
+    optim = getattr(args.optim, "value", args.optim)
+    return {"tasks": tasks, "overall": overall, "task_share": {t: round(s, 4) for t, s in share.items()},
+            "steps_per_task": steps_per_task, "precision": "bf16" if bf16 else "fp32",
+            "peer_setup": {"transformers": transformers.__version__, "optim": str(optim),
+                           "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+                           "sampling": "group_by_length", "collator": "DataCollatorWithPadding",
+                           "pairs": "cross-encoded"}}

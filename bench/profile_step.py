@@ -1,0 +1,122 @@
+"""Where a training step's time goes: torch.profiler over real steps of the `train` stage's own run.
+
+    python -m bench.profile_step [--steps 24] [--warmup 4] [--json-out FILE]
+
+The run is set up as the stage sets it up (bench/smart_step.py `scratch_run`) and each step is what the
+stage runs: `finetune.step` (batch collation, forward, backward) and `finetune.update` (clipping, AdamW,
+the moving average). The operators' self CPU time is grouped into categories (matmuls, attention,
+LayerNorm, GELU, dropout, the embedding's gradient, the optimiser, the moving average, casts, ...); the
+rest of the wall time, outside any operator, is Python and collation overhead. Needs data/tokenized.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import typer
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from bench.smart_step import scratch_run
+from mtbert.params import variant_params
+from mtbert.runtime import setup_logging
+from mtbert.training import finetune
+
+app = typer.Typer(add_completion=False)
+
+# Operator name fragments per category, first match wins (aten names as the profiler reports them).
+CATEGORIES = {
+    "optimizer (AdamW)": ("adamw", "optimizer.step"),
+    "moving average": ("lerp", "_foreach"),
+    "embedding gradient": ("embedding_dense_backward", "embedding_backward"),
+    "attention": ("scaled_dot_product", "_softmax", "softmax", "bmm", "baddbmm"),
+    "matmul": ("addmm", "aten::mm", "matmul", "linear"),
+    "layernorm": ("layer_norm",),
+    "gelu": ("gelu",),
+    "dropout": ("dropout", "bernoulli", "native_dropout"),
+    "casts and copies": ("aten::to", "_to_copy", "copy_", "clone", "contiguous"),
+    "gradient clipping": ("norm", "clip"),
+    "loss": ("cross_entropy", "nll_loss", "log_softmax", "mse_loss", "binary_cross_entropy"),
+    "zeroing and filling": ("zero_", "fill_", "zeros", "empty"),
+    "elementwise": ("aten::add", "aten::mul", "aten::div", "aten::sub", "aten::where", "aten::sum", "aten::mean"),
+}
+
+
+def category(name: str) -> str:
+    lowered = name.lower()
+    for label, fragments in CATEGORIES.items():
+        if any(fragment.lower() in lowered for fragment in fragments):
+            return label
+    return "other operators"
+
+
+def profiled_steps(run, progress, steps: list[tuple[str, ...]]) -> tuple[profile, float]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        started = time.perf_counter()
+        for tasks in steps:
+            with record_function("mtbert.step"):
+                finetune.step(run, progress, tasks)
+            with record_function("mtbert.update"):
+                finetune.update(run, progress)
+        wall = time.perf_counter() - started
+    return prof, wall
+
+
+def breakdown(prof: profile, wall: float) -> dict:
+    """Self CPU seconds per category and per top operator, with shares of the wall time."""
+    per_category: dict[str, float] = {}
+    operators = []
+    for event in prof.key_averages():
+        if event.key.startswith("mtbert."):
+            continue
+        seconds = event.self_cpu_time_total / 1e6
+        per_category[category(event.key)] = per_category.get(category(event.key), 0.0) + seconds
+        operators.append((event.key, seconds, event.count))
+    # Self time is the calling thread's: an operator's intra-op threads are inside it, so the shares add up
+    # to at most the wall time; what is left is Python, collation and the profiler's own bookkeeping.
+    operators.sort(key=lambda item: -item[1])
+    return {"wall_seconds": round(wall, 3), "threads": torch.get_num_threads(),
+            "categories": {name: {"seconds": round(s, 3), "share": round(s / wall, 3)}
+                           for name, s in sorted(per_category.items(), key=lambda item: -item[1])},
+            "outside_operators_share": round(max(0.0, 1 - sum(per_category.values()) / wall), 3),
+            "top_operators": [{"name": name, "seconds": round(s, 3), "calls": calls,
+                               "share": round(s / wall, 3)} for name, s, calls in operators[:15]]}
+
+
+@app.command()
+def main(steps: int = typer.Option(24, help="profiled steps"),
+         warmup: int = typer.Option(4, help="steps run before profiling (oneDNN builds its kernels)"),
+         variant: str = typer.Option("base"),
+         params_file: Path = typer.Option(Path("params.yaml")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         json_out: Path = typer.Option(None, help="also write the breakdown here")) -> None:
+    setup_logging("WARNING")
+    params = variant_params(params_file, variant)
+    with tempfile.TemporaryDirectory() as scratch:
+        run, progress = scratch_run(params, variant, tokenized_dir, Path(scratch))
+        run.model.train()
+        schedule = finetune.schedule(run, 0)[: warmup + steps]
+        for tasks in schedule[:warmup]:
+            finetune.step(run, progress, tasks)
+            finetune.update(run, progress)
+        prof, wall = profiled_steps(run, progress, schedule[warmup:])
+    figures = breakdown(prof, wall)
+    figures.update(steps=steps, bf16=run.bf16)
+    print(f"{steps} steps in {wall:.2f} s ({wall / steps:.3f} s/step, bf16 {run.bf16}, "
+          f"{figures['threads']} threads); share of the wall time:")
+    for name, entry in figures["categories"].items():
+        print(f"  {name:22s} {entry['share']:6.1%}")
+    print(f"  {'outside operators':22s} {figures['outside_operators_share']:6.1%}  (Python, collation)")
+    print("top operators (self CPU):")
+    for entry in figures["top_operators"]:
+        print(f"  {entry['share']:6.1%}  {entry['calls']:6d} calls  {entry['name']}")
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    app()
