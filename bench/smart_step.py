@@ -64,8 +64,7 @@ def scratch_run(params, variant: str, tokenized_dir: Path, scratch: Path) -> tup
     `scratch`."""
     paths = Paths(tokenized=tokenized_dir, model_out=scratch / "model", metrics_out=scratch / "metrics.json",
                   live_dir=scratch / "live", checkpoints=scratch / "checkpoints")
-    run, progress, _ = setup(params, variant, paths)
-    return run, progress
+    return setup(params, variant, paths)
 
 
 def alternating_step_times(run: FineTuning, progress: Progress, steps: int, block: int,

@@ -76,7 +76,7 @@ def main(steps: int = typer.Option(20), variant: str = typer.Option("base"),
             finetune.update(fed, progress)
         seconds_per_step = (time.perf_counter() - start) / steps
         evaluate(run.model, run.dev_data, run.p.eval_batch_size, run.device, run.bf16)
-        finetune.checkpoint(run, progress, "bench")  # the checkpoint saves the streams' positions
+        finetune.checkpoint(run, progress)  # the checkpoint saves the streams' positions
     print(json.dumps({"peak_rss_gib": round(peak_rss_gib(), 3),
                       "seconds_per_step": round(seconds_per_step, 4)}))
 

@@ -466,7 +466,20 @@ def merged_variant(raw: dict, variant: str) -> dict:
     for name in ("models", "tasks", "ensemble", "stats"):  # tokenize's tasks; what combines the variants
         if name in overrides:
             raise ParamsError(f"models.{variant}: a variant cannot override '{name}'")
+    refuse_null_mappings(raw, overrides, f"models.{variant}")
     return deep_merge(with_scalars_as_maps(raw, overrides), overrides)
+
+
+def refuse_null_mappings(base: dict, overrides: dict, key: str) -> None:
+    """A variant's null where the shared params have a mapping (e.g. `heads: {sts: null}`) would reset all of
+    it to the defaults without a word; refuse it."""
+    for name, value in overrides.items():
+        shared = base.get(name) if isinstance(base, dict) else None
+        if value is None and isinstance(shared, dict):
+            raise ParamsError(f"{key}.{name}: expected a mapping of overrides, got null (it would drop the shared "
+                              f"{name} settings)")
+        if isinstance(value, dict) and isinstance(shared, dict):
+            refuse_null_mappings(shared, value, f"{key}.{name}")
 
 
 def with_scalars_as_maps(raw: dict, overrides: dict) -> dict:

@@ -35,9 +35,8 @@ def pretrain(params: Params, paths: Paths, stop_after: int | None = None) -> dic
     limit_memory_growth(params.runtime.onednn_cache, params.runtime.malloc_threshold_mb)
     ranks, device = setup_process(params.pretrain.seed, params.runtime.threads)
     fingerprint = masked_lm.run_fingerprint(params, paths.tokenized, ranks.world_size)
-    run = masked_lm.prepare(params, paths, ranks, device)
-    progress = masked_lm.resume(run, fingerprint)
-    summary = masked_lm.train(run, progress, fingerprint, stop_after)
+    run = masked_lm.prepare(params, paths, ranks, device, fingerprint)
+    summary = masked_lm.train(run, masked_lm.resume(run), stop_after)
     if summary is not None:
         shutdown(ranks)
     return summary

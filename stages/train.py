@@ -26,20 +26,20 @@ log = logging.getLogger("train")
 app = typer.Typer(add_completion=False)
 
 
-def setup(params: Params, variant: str, paths: Paths) -> tuple[finetune.FineTuning, finetune.Progress, str]:
+def setup(params: Params, variant: str, paths: Paths) -> tuple[finetune.FineTuning, finetune.Progress]:
     """This process set up (memory caps, torchrun's process group, the seed), then the variant's run
     prepared and resumed from its last checkpoint if this very run (the fingerprint) wrote one."""
     limit_memory_growth(params.runtime.onednn_cache, params.runtime.malloc_threshold_mb)
     ranks, device = setup_process(params.train.seed, params.runtime.threads)
     fingerprint = finetune.run_fingerprint(params, paths.tokenized, paths.pretrained, ranks.world_size)
-    run = finetune.prepare(params, variant, paths, ranks, device)
-    return run, finetune.resume(run, fingerprint), fingerprint
+    run = finetune.prepare(params, variant, paths, ranks, device, fingerprint)
+    return run, finetune.resume(run)
 
 
 def fine_tune(params: Params, variant: str, paths: Paths) -> dict:
     """Train the variant from its last checkpoint (or the start) to the end."""
-    run, progress, fingerprint = setup(params, variant, paths)
-    summary = finetune.train(run, progress, fingerprint)
+    run, progress = setup(params, variant, paths)
+    summary = finetune.train(run, progress)
     shutdown(run.ranks)
     return summary
 

@@ -12,13 +12,12 @@ from stages.train import setup
 
 @dataclasses.dataclass
 class Run:
-    """A prepared run with its progress and fingerprint; `train()` takes it to the end."""
+    """A prepared run with its progress; `train()` takes it to the end."""
     run: finetune.FineTuning
     progress: finetune.Progress
-    fingerprint: str
 
     def train(self) -> dict:
-        return finetune.train(self.run, self.progress, self.fingerprint)
+        return finetune.train(self.run, self.progress)
 
 
 def prepared(params: Params, paths: Paths, variant: str = "base") -> Run:

@@ -281,3 +281,10 @@ def test_memory_caps_reach_onednn_and_glibc_before_any_work():
         "print('ok')\n")
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.parametrize("override", [{"heads": None}, {"heads": {"sts": None}}])
+def test_a_variants_null_over_a_shared_mapping_is_refused(raw_params, override):
+    raw_params["models"] = {"base": {}, "reset": override}
+    with pytest.raises(ParamsError, match=r"models\.reset\.heads(\.sts)?: expected a mapping of overrides, got null"):
+        variant_params(raw_params, "reset")

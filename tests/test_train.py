@@ -205,3 +205,14 @@ def test_the_moving_average_is_the_model_kept_and_resumes_like_an_uninterrupted_
     assert_saved_model_reproduces_its_dumps(tmp_path / "a", tiny_tokenized, params.train.eval_batch_size)
     for task_name, epoch in uninterrupted["task_epochs"].items():
         assert uninterrupted["dev"][task_name] == epochs[epoch - 1]["dev"][task_name]
+
+
+def test_a_checkpoint_of_another_layout_is_ignored_like_one_of_other_params(tmp_path, caplog):
+    from mtbert.training.checkpoint import load_checkpoint
+
+    old_layout = tmp_path / "last.pt"  # as mtbert's loop before the typed checkpoint wrote it, same fingerprint
+    torch.save({"fingerprint": "same", "model": {}, "optimizer": {}, "scheduler": {}, "ranks": [],
+                "history": "[]", "running": "{}", "train_seconds": 1.0, "loop": {}}, old_layout)
+    assert load_checkpoint(old_layout, finetune.FineTuningCheckpoint, finetune.Progress, "same") is None
+    assert "holds no FineTuningCheckpoint" in caplog.text
+    assert old_layout.is_file()  # left where it was

@@ -63,8 +63,12 @@ def load_checkpoint(path: Path, cls: type[State], progress_cls: type, fingerprin
     if state.get("fingerprint") != fingerprint:
         log.warning("ignoring %s: it was written by a run with other params or data", path)
         return None
-    state["progress"] = progress_cls.from_json(json.loads(state["progress"]))
-    return cls(**state)
+    try:  # a checkpoint of another layout (an older mtbert) is not resumed, as one of other params is not
+        state["progress"] = progress_cls.from_json(json.loads(state["progress"]))
+        return cls(**state)
+    except (KeyError, TypeError, ValueError):
+        log.warning("ignoring %s: it holds no %s (written by another version of mtbert)", path, cls.__name__)
+        return None
 
 
 def restore(state: Any, model: torch.nn.Module, optimizer, scheduler, ranks: Ranks) -> dict:

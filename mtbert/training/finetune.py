@@ -2,17 +2,18 @@
 
 Read it top to bottom, as the `train` stage calls it:
 
-    run = prepare(params, variant, paths, ranks, device)  # model, data, optimiser, the step's pieces
-    progress = resume(run, fingerprint)                   # a checkpoint of this very run, or a fresh start
-    summary = train(run, progress)                        # the loop
+    run = prepare(params, variant, paths, ranks, device, fingerprint)  # model, data, optimiser, the step's pieces
+    progress = resume(run)   # the counters and history of this very run's last checkpoint, or a fresh start
+    summary = train(run, progress)                                     # the loop
 
 `train` runs, per epoch, the sampler's schedule of steps; `step` is one step's forward and backward
 passes, `update` one optimiser update, `end_epoch` the epoch's dev evaluation, snapshot dumps and the
 model saved aside when some task is at its best. What a step does is chosen once in `prepare`: the
 objective (task loss, SMART, the Bregman teacher: training/objective.py), how losses become gradients
 (plain or PCGrad: training/gradients.py) and the weights' moving average (training/averaging.py, the
-model evaluated and kept with `train.ema`). Everything that changes as the run goes is in `Progress`;
-everything a resumed run needs is one `FineTuningCheckpoint`.
+model evaluated and kept with `train.ema`). The run's counters, running sums and history are its
+`Progress`; everything a resumed run needs (those, the weights, optimiser, data positions, RNG) is one
+`FineTuningCheckpoint`.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ REGULARISERS = ("smart_loss", "bregman_loss", "delta_ratio", "delta_l2_ratio", "
 @dataclasses.dataclass
 class EpochTotals:
     """Running sums of the epoch so far, for its record."""
-    loss_sum: dict[str, float]  # per task, each batch's mean loss
+    loss_sum: dict[str, float]  # per task, the sum of each batch's mean loss
     batches: dict[str, int]
     examples: int = 0
     tokens: int = 0  # non-padding
@@ -78,7 +79,7 @@ class EpochTotals:
 
 @dataclasses.dataclass
 class Progress:
-    """Where the run is, and what it has measured so far."""
+    """Where the run is, and what it has measured so far (the JSON part of a checkpoint)."""
     epoch: int  # epochs finished
     step_in_epoch: int
     updates: int
@@ -110,10 +111,11 @@ class FineTuningCheckpoint:
 
 @dataclasses.dataclass
 class FineTuning:
-    """What the loop works with, built once by `prepare`."""
+    """What the loop works with: built by `prepare`, its state loaded by `resume` from a checkpoint."""
     params: Params
     variant: str
     paths: Paths
+    fingerprint: str  # the params and data of this run; a checkpoint from another is not resumed
     ranks: Ranks
     device: torch.device
     bf16: bool
@@ -130,15 +132,12 @@ class FineTuning:
     objective: Objective
     gradients: PlainGradients | PCGradGradients
     average: MovingAverage | NoAverage
+    steps_per_epoch: int
     stopwatch: Stopwatch
 
     @property
     def p(self) -> TrainParams:
         return self.params.train
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return len(schedule(self, 0))
 
     @property
     def saved_epochs(self) -> Path:
@@ -152,7 +151,8 @@ class FineTuning:
 
 
 # --- building it --------------------------------------------------------------------------------------
-def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: torch.device) -> FineTuning:
+def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: torch.device,
+            fingerprint: str) -> FineTuning:
     """The model, data, optimiser and step pieces of one variant. Torch must be seeded already (the heads
     start random)."""
     p = params.train
@@ -178,9 +178,9 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
                                           math.ceil(steps / p.grad_accum) * p.epochs)
     objective = Objective(model, params.smart, device, bf16, p.seed)
     gradients = gradient_rule(p.gradient, trainable(model), ranks, device)  # after the optimiser froze LR-0 ones
-    return FineTuning(params, variant, paths, ranks, device, bf16, tasks, load_tokenizer(start), model, train_data,
-                      dev_data, snapshot_data, row_lengths, streams, optimizer, scheduler, objective, gradients,
-                      average, Stopwatch())
+    return FineTuning(params, variant, paths, fingerprint, ranks, device, bf16, tasks, load_tokenizer(start), model,
+                      train_data, dev_data, snapshot_data, row_lengths, streams, optimizer, scheduler, objective,
+                      gradients, average, steps, Stopwatch())
 
 
 def train_rows(p: TrainParams, task: str) -> int:
@@ -217,12 +217,12 @@ def run_fingerprint(params: Params, tokenized_dir: Path, pretrained: Path | None
 
 
 # --- checkpoints ----------------------------------------------------------------------------------------
-def checkpoint(run: FineTuning, progress: Progress, fingerprint: str) -> None:
+def checkpoint(run: FineTuning, progress: Progress) -> None:
     """Write the state atomically (the main rank; every rank contributes its RNG); not training time."""
     with run.stopwatch.paused():
         progress.train_seconds = run.stopwatch.seconds
         state = FineTuningCheckpoint(
-            fingerprint=fingerprint, progress=progress, model=run.model.state_dict(),
+            fingerprint=run.fingerprint, progress=progress, model=run.model.state_dict(),
             optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
             streams={name: stream.state() for name, stream in run.streams.items()},
             average=run.average.state_dict(),  # the same on every rank, as the weights are
@@ -231,10 +231,10 @@ def checkpoint(run: FineTuning, progress: Progress, fingerprint: str) -> None:
             save_checkpoint(run.paths.checkpoint_file, state)
 
 
-def resume(run: FineTuning, fingerprint: str) -> Progress:
+def resume(run: FineTuning) -> Progress:
     """The progress of this very run's last checkpoint, loaded into `run`; else a fresh start (clearing what
     a killed run with other params or data may have left)."""
-    state = load_checkpoint(run.paths.checkpoint_file, FineTuningCheckpoint, Progress, fingerprint)
+    state = load_checkpoint(run.paths.checkpoint_file, FineTuningCheckpoint, Progress, run.fingerprint)
     if state is None:
         if run.ranks.is_main:
             for leftover in (run.saved_epochs, run.snapshot_dumps):
@@ -251,7 +251,7 @@ def resume(run: FineTuning, fingerprint: str) -> Progress:
 
 
 # --- the loop -------------------------------------------------------------------------------------------
-def train(run: FineTuning, progress: Progress, fingerprint: str) -> dict:
+def train(run: FineTuning, progress: Progress) -> dict:
     """From wherever `progress` is to the end: every epoch, then the model folder, dumps and metrics."""
     p = run.p
     live = open_live(run.paths.live_dir, progress.history, log_epoch) if run.ranks.is_main else None
@@ -259,23 +259,23 @@ def train(run: FineTuning, progress: Progress, fingerprint: str) -> dict:
              run.variant, run.params.model.arch, run.steps_per_epoch, p.epochs, p.sampler, p.gradient,
              f"{parameter_count(run.model):,}", run.ranks.world_size)
     while progress.epoch < p.epochs:
-        steps = schedule(run, progress.epoch)
+        epoch_steps = schedule(run, progress.epoch)
         run.model.train()
-        bar = tqdm(total=len(steps), initial=progress.step_in_epoch, desc=f"epoch {progress.epoch + 1}",
+        bar = tqdm(total=len(epoch_steps), initial=progress.step_in_epoch, desc=f"epoch {progress.epoch + 1}",
                    unit="step", mininterval=2.0, disable=not run.ranks.is_main)
         run.stopwatch.start()
-        while progress.step_in_epoch < len(steps):
-            step(run, progress, steps[progress.step_in_epoch])
+        while progress.step_in_epoch < len(epoch_steps):
+            step(run, progress, epoch_steps[progress.step_in_epoch])
             progress.step_in_epoch += 1
             bar.update(1)
-            if progress.step_in_epoch % p.grad_accum == 0 or progress.step_in_epoch == len(steps):
+            if progress.step_in_epoch % p.grad_accum == 0 or progress.step_in_epoch == len(epoch_steps):
                 update(run, progress)
                 if (progress.updates % run.params.runtime.checkpoint_every.train == 0
-                        and progress.step_in_epoch < len(steps)):
-                    checkpoint(run, progress, fingerprint)
+                        and progress.step_in_epoch < len(epoch_steps)):
+                    checkpoint(run, progress)
         bar.close()
         run.stopwatch.stop()
-        end_epoch(run, progress, fingerprint, live)
+        end_epoch(run, progress, live)
     if live is not None:
         live.end()
     result = summary(run, progress)
@@ -342,7 +342,7 @@ def update(run: FineTuning, progress: Progress) -> None:
     progress.updates += 1
 
 
-def end_epoch(run: FineTuning, progress: Progress, fingerprint: str, live) -> None:
+def end_epoch(run: FineTuning, progress: Progress, live) -> None:
     """Evaluate and dump the epoch, log it, save the model aside if a task is at its best, checkpoint."""
     dev = dev_raw = None  # the main rank evaluates; the others wait for its figures
     if run.ranks.is_main:
@@ -356,7 +356,7 @@ def end_epoch(run: FineTuning, progress: Progress, fingerprint: str, live) -> No
     if record["epoch"] in chosen.values() and run.ranks.is_main:
         save_model(run.average.model, run.tokenizer, run.saved_epochs / epoch_dir(record["epoch"]), model_config(run))
     progress.epoch, progress.step_in_epoch, progress.totals = progress.epoch + 1, 0, EpochTotals.empty(run.tasks)
-    checkpoint(run, progress, fingerprint)
+    checkpoint(run, progress)
     if run.ranks.is_main:  # only after the checkpoint, which still names what a resumed run needs
         drop_unchosen_epochs(run.saved_epochs, set(chosen.values()))
     if live is not None:

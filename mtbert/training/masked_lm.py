@@ -2,9 +2,9 @@
 
 Built as fine-tuning is (training/finetune.py), and called the same way by the `pretrain` stage:
 
-    run = prepare(params, paths, ranks, device)
-    progress = resume(run, fingerprint)
-    summary = train(run, progress, fingerprint)
+    run = prepare(params, paths, ranks, device, fingerprint)
+    progress = resume(run)
+    summary = train(run, progress)
 
 `train` evaluates the held-out loss at step 0, then per step one masked batch (`train_step`: BERT's
 15% / 80-10-10 masking, no next-sentence task), a held-out evaluation every `eval_every` steps and a
@@ -120,9 +120,10 @@ class MaskedLMCheckpoint:
 
 @dataclasses.dataclass
 class MaskedLM:
-    """What the loop works with, built once by `prepare`."""
+    """What the loop works with: built by `prepare`, its state loaded by `resume` from a checkpoint."""
     params: Params
     paths: Paths
+    fingerprint: str  # the pretrain params, backbone and text of this run
     ranks: Ranks
     device: torch.device
     bf16: bool
@@ -143,7 +144,7 @@ class MaskedLM:
         return self.params.pretrain
 
 
-def prepare(params: Params, paths: Paths, ranks: Ranks, device: torch.device) -> MaskedLM:
+def prepare(params: Params, paths: Paths, ranks: Ranks, device: torch.device, fingerprint: str) -> MaskedLM:
     """The masked-LM model, corpus, held-out set and optimiser. Torch must be seeded already (a fresh head
     starts random)."""
     p = params.pretrain
@@ -168,8 +169,8 @@ def prepare(params: Params, paths: Paths, ranks: Ranks, device: torch.device) ->
     rule = LayerwiseLR(p.lr, p.weight_decay, p.layer_decay, encoder_prefix=f"{model.base_model_prefix}.")
     optimizer, scheduler = layerwise_optimizer(model, model.config.num_hidden_layers, rule, "linear",
                                                p.warmup_fraction, p.steps)
-    return MaskedLM(params, paths, ranks, device, bf16, tokenizer, vocab, model, head_from_checkpoint, corpus,
-                    stream, held_out, generator, optimizer, scheduler, Stopwatch())
+    return MaskedLM(params, paths, fingerprint, ranks, device, bf16, tokenizer, vocab, model, head_from_checkpoint,
+                    corpus, stream, held_out, generator, optimizer, scheduler, Stopwatch())
 
 
 def masked_held_out(column: TokenColumn, vocab: MaskingVocab, p: PretrainParams) -> list[tuple[torch.Tensor, ...]]:
@@ -185,11 +186,11 @@ def masked_held_out(column: TokenColumn, vocab: MaskingVocab, p: PretrainParams)
 
 
 # --- checkpoints ------------------------------------------------------------------------------------
-def checkpoint(run: MaskedLM, progress: Progress, fingerprint: str) -> None:
+def checkpoint(run: MaskedLM, progress: Progress) -> None:
     """Write the state atomically (the main rank; every rank contributes its RNG); not training time."""
     with run.stopwatch.paused():
         progress.train_seconds = run.stopwatch.seconds
-        state = MaskedLMCheckpoint(fingerprint=fingerprint, progress=progress, model=run.model.state_dict(),
+        state = MaskedLMCheckpoint(fingerprint=run.fingerprint, progress=progress, model=run.model.state_dict(),
                                    optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
                                    stream=run.stream.state(),
                                    ranks=every_rank({"generator": run.generator.get_state()}, run.ranks))
@@ -197,9 +198,9 @@ def checkpoint(run: MaskedLM, progress: Progress, fingerprint: str) -> None:
             save_checkpoint(run.paths.checkpoint_file, state)
 
 
-def resume(run: MaskedLM, fingerprint: str) -> Progress:
+def resume(run: MaskedLM) -> Progress:
     """The progress of this very run's last checkpoint, loaded into `run`; else a fresh start."""
-    state = load_checkpoint(run.paths.checkpoint_file, MaskedLMCheckpoint, Progress, fingerprint)
+    state = load_checkpoint(run.paths.checkpoint_file, MaskedLMCheckpoint, Progress, run.fingerprint)
     if state is None:
         return Progress.start()
     own = restore(state, run.model, run.optimizer, run.scheduler, run.ranks)
@@ -211,7 +212,7 @@ def resume(run: MaskedLM, fingerprint: str) -> Progress:
 
 
 # --- the loop ---------------------------------------------------------------------------------------
-def train(run: MaskedLM, progress: Progress, fingerprint: str, stop_after: int | None = None) -> dict | None:
+def train(run: MaskedLM, progress: Progress, stop_after: int | None = None) -> dict | None:
     """Train to pretrain.steps; `stop_after` ends early after a checkpoint (as a kill would), returning None."""
     p = run.p
     log.info("masked-LM on %s sentences (%s), %d steps of %d, held-out %d dev sentences",
@@ -230,7 +231,7 @@ def train(run: MaskedLM, progress: Progress, fingerprint: str, stop_after: int |
             with run.stopwatch.paused():
                 evaluate(run, progress, live)
         if progress.step % run.params.runtime.checkpoint_every.pretrain == 0 and progress.step < p.steps:
-            checkpoint(run, progress, fingerprint)
+            checkpoint(run, progress)
             if stop_after is not None and progress.step >= stop_after:
                 bar.close()
                 return None
