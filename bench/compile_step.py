@@ -14,7 +14,6 @@ minutes on 2 cores.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import tempfile
 import time
@@ -24,6 +23,7 @@ import torch
 import typer
 
 from bench.smart_step import scratch_run, timed_steps
+from mtbert import io
 from mtbert.params import variant_params
 from mtbert.runtime import setup_logging
 from mtbert.training.finetune import FineTuning, Progress, schedule
@@ -82,8 +82,7 @@ def report(times: dict[str, list[float]], warmup_times: dict[str, list[float]], 
           f"bf16 {bf16})")
     print(f"compiled/eager speed-up {speedup:.2f}x after {extra_first:.0f} s of extra first-step time")
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(figures, indent=2) + "\n")
+        io.write_json(json_out, figures)  # atomic, parent folders made
 
 
 if __name__ == "__main__":

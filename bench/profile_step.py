@@ -11,7 +11,6 @@ rest of the wall time, outside any operator, is Python and collation overhead. N
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import typer
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.smart_step import scratch_run
+from mtbert import io
 from mtbert.params import variant_params
 from mtbert.runtime import setup_logging
 from mtbert.training import finetune
@@ -114,8 +114,7 @@ def main(steps: int = typer.Option(24, help="profiled steps"),
     for entry in figures["top_operators"]:
         print(f"  {entry['share']:6.1%}  {entry['calls']:6d} calls  {entry['name']}")
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(figures, indent=2) + "\n")
+        io.write_json(json_out, figures)  # atomic, parent folders made
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ update. They alternate in blocks, so drift in the machine's speed hits both alik
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import tempfile
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import typer
 
+from mtbert import io
 from mtbert.params import SmartParams, variant_params
 from mtbert.runtime import setup_logging
 from mtbert.training.finetune import FineTuning, Progress, schedule, step, update
@@ -116,8 +116,7 @@ def report(times: dict[str, list[float]], smart_steps: int, json_out: Path | Non
         print(f"{name}/plain step time: {ratio:.2f}x (target <= {TARGETS[name]}x: "
               f"{'met' if ratio <= TARGETS[name] else 'NOT met'})")
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(figures, indent=2) + "\n")
+        io.write_json(json_out, figures)  # atomic, parent folders made
 
 
 if __name__ == "__main__":

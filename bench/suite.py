@@ -41,6 +41,7 @@ import typer
 from bench.inference import engine_figures
 from bench.peer import peer_figures
 from bench.smart_step import alternating_step_times, ratios, scratch_run
+from mtbert import io
 from mtbert.data.batches import TaskSplit, eval_batches, load_split
 from mtbert.data.sampling import TaskStream
 from mtbert.params import variant_params
@@ -267,8 +268,7 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
     figures["peak_rss_gib"] = round(training_peak_rss_gib(params_file, tokenized_dir, variant, memory_steps), 2)
     figures["targets"] = TARGETS
     report(figures)
-    json_out.parent.mkdir(parents=True, exist_ok=True)
-    json_out.write_text(json.dumps(figures, indent=2) + "\n")
+    io.write_json(json_out, figures)  # atomic, parent folders made
 
 
 def smart_ratios(run: FineTuning, progress: Progress, steps: int, block: int = 2) -> tuple[float, float]:

@@ -306,8 +306,7 @@ def step(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> None:
         if len(rows):
             progress.totals.batches[task] += 1
         run.gradients.end_task()
-    # PCGrad's order of the other tasks: the same on every rank, and on resume
-    run.gradients.end_step(np.random.default_rng([p.seed, 4099, progress.epoch, progress.step_in_epoch]))
+    run.gradients.end_step([p.seed, 4099, progress.epoch, progress.step_in_epoch])
 
 
 def micro_batches(rows: np.ndarray, lengths: np.ndarray, max_batch_tokens: int) -> list[np.ndarray]:

@@ -5,7 +5,7 @@
   are summed after gradient surgery (training/pcgrad.py).
 
 The step calls the same three methods either way: `backward(loss)` per piece of a task's batch,
-`end_task()` after each task, `end_step(order)` after the step's tasks.
+`end_task()` after each task, `end_step(order_seed)` after the step's tasks.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class PlainGradients:
     def end_task(self) -> None:
         pass
 
-    def end_step(self, order: np.random.Generator) -> None:
+    def end_step(self, order_seed: list[int]) -> None:
         pass
 
 
@@ -49,7 +49,9 @@ class PCGradGradients:
         self.per_task.append(average_tensor(gradient, self.ranks))  # project the global gradients
         self.task_gradient = None
 
-    def end_step(self, order: np.random.Generator) -> None:
+    def end_step(self, order_seed: list[int]) -> None:
+        """`order_seed` fixes the order the other tasks are projected in: the same on every rank and on resume."""
+        order = np.random.default_rng(order_seed)
         accumulate(self.parameters, sum(project_conflicts(self.per_task, order)))
         self.per_task = []
 
