@@ -18,7 +18,10 @@
 5. `tokenize` wall time for all nine files, interpreter start included;
 6. peak resident memory of a process training the default variant (steps, an evaluation, a checkpoint);
 7. `mtbert predict`'s engine: one-sentence latency (p50, p95) and batched sentences/s from raw text, against
-   the `predict` stage's path over the tokenized splits (bench/inference.py).
+   the `predict` stage's path over the tokenized splits (bench/inference.py);
+8. the deployed model (bench/deploy.py), where models/<variant> and its export exports/<variant> exist: cold
+   start of a `mtbert predict` call, one-sentence p50/p95 and batched sentences/s for PyTorch, ONNX fp32 and
+   int8, and a bounded load test of `mtbert serve` on loopback.
 
 The configurations being compared alternate in short blocks over the same kind of real batches, so a
 change in the machine's speed during the run hits all of them alike. Needs data/tokenized
@@ -38,6 +41,8 @@ import numpy as np
 import torch
 import typer
 
+from bench.deploy import deploy_figures
+from bench.deploy import report as report_deploy
 from bench.inference import engine_figures
 from bench.peer import peer_figures
 from bench.smart_step import alternating_step_times, ratios, scratch_run
@@ -211,6 +216,8 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
          variant: str = typer.Option("base"),
          params_file: Path = typer.Option(Path("params.yaml")),
          tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         models_dir: Path = typer.Option(Path("models"), help="figure 8: the trained <variant> there ..."),
+         exports_dir: Path = typer.Option(Path("exports"), help="... and its export there (both must exist)"),
          json_out: Path = typer.Option(Path("metrics/bench.json"))) -> None:
     setup_logging()
     params = variant_params(params_file, variant)
@@ -262,6 +269,12 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
         print("mtbert predict's engine: one-sentence latency, batched throughput vs the predict stage ...", flush=True)
         figures["engine"] = engine_figures(run, params, tokenized_dir, dev)
         del run
+        figures["deploy"] = None
+        if (models_dir / variant).is_dir() and (exports_dir / variant).is_dir():
+            print(f"the deployed model: {models_dir / variant} and {exports_dir / variant} ...", flush=True)
+            figures["deploy"] = deploy_figures(models_dir / variant, exports_dir / variant, tokenized_dir,
+                                               threads=figures["threads"], scratch=Path(scratch),
+                                               export_metrics=Path("metrics/export") / f"{variant}.json")
     print("tokenize (a fresh process) ...", flush=True)
     figures["tokenize_seconds"] = round(tokenize_seconds(params_file), 2)
     print(f"peak memory of training ({memory_steps} steps, evaluation, checkpoint) ...", flush=True)
@@ -338,6 +351,10 @@ def report(f: dict) -> None:
           f"{e['single_sentence_ms']['p95']} ms; batched {e['engine_sentences_per_second']} sentences/s from raw text "
           f"vs the predict stage's {e['predict_stage_sentences_per_second']} from tokens: "
           f"{e['engine_over_predict_stage']:.2f}x")
+    if f["deploy"] is not None:
+        report_deploy(f["deploy"])
+    else:
+        print("8. deployment: skipped (needs the trained variant and its export: dvc repro export@<variant>)")
 
 
 if __name__ == "__main__":

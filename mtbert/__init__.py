@@ -3,8 +3,9 @@
 The library the pipeline's stages (`stages/`) are thin commands over, grouped as the pipeline runs:
 `data` (raw files to tokenized batches), `model` (backbone, architectures, heads, saved folders),
 `training` (the fine-tuning and masked-LM loops), `evaluation` (metrics, dumps, ensemble, statistics),
-and `inference` (trained models on new text). `Predictor` and `EnsemblePredictor` load a trained model
-folder, or the ensemble, for use from Python; `mtbert predict` is the same from the shell.
+`inference` (trained models on new text) and `deploy` (the ONNX export, the torch-free ONNX Runtime
+engine, the HTTP server). `Predictor` and `EnsemblePredictor` load a trained model folder, or the ensemble,
+for use from Python; `mtbert predict` is the same from the shell.
 """
 
 __all__ = ["EnsemblePredictor", "Predictor"]

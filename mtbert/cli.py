@@ -1,17 +1,20 @@
 """`mtbert`, the command installed with the package: predictions of a trained model (or the ensemble) on
-new text, as JSON lines.
+new text, as JSON lines; the export of a trained variant to ONNX; and an HTTP server.
 
     mtbert predict --model models/base --task sst "A gorgeous, witty film." "Dull."
-    mtbert predict --model models/base --task qqp --task sts "How do I cook rice?" "How to cook rice?"
+    mtbert predict --model exports/base --task qqp --task sts "How do I cook rice?" "How to cook rice?"
     mtbert predict --ensemble metrics/ensemble.json --task sts --input pairs.tsv --output scores.jsonl
     cat pairs.jsonl | mtbert predict --model models/base --task sts --input -
+    mtbert export --model models/base --out exports/base
+    mtbert serve --model exports/base --port 8000 --workers 2
 
 Texts come as arguments (for pair tasks, consecutive arguments form a pair), or with `--input` as a TSV
 file (a header naming the task's text columns, e.g. `sentence` or `sentence1` and `sentence2`, and an
 optional `id`) or a JSON-lines file (objects with those keys), `-` for standard input. Each output line
-holds the row's id, its texts and every requested task's result (see mtbert/inference.py). A bad
-input or model folder is one line on stderr (`error: ...`) and exit status 1; the output file is written
-whole or not at all.
+holds the row's id, its texts and every requested task's result (see mtbert/inference.py). An export
+(`--model exports/<variant>`, or an ensemble whose members are exports) runs on ONNX Runtime without
+importing torch (mtbert/deploy/predictors.py); a trained folder on PyTorch. A bad input or model folder is
+one line on stderr (`error: ...`) and exit status 1; the output file is written whole or not at all.
 """
 
 from __future__ import annotations
@@ -24,8 +27,7 @@ from pathlib import Path
 
 import typer
 
-from mtbert import io
-from mtbert.runtime import UserError, run_app, setup_torch
+from mtbert.runtime import UserError, run_app
 
 app = typer.Typer(add_completion=False, help="Use the models mtbert trained.")
 
@@ -37,28 +39,29 @@ def main() -> None:
 
 @app.command()
 def predict(texts: list[str] = typer.Argument(None, help="texts; for pair tasks two consecutive ones make a pair"),
-            model: Path = typer.Option(None, "--model", help="a trained variant's folder, e.g. models/base"),
+            model: Path = typer.Option(None, "--model", help="a trained variant's folder (models/base) or its "
+                                                             "export (exports/base)"),
             ensemble: Path = typer.Option(None, "--ensemble", help="the ensemble's metrics/ensemble.json"),
-            models_dir: Path = typer.Option(Path("models"), help="with --ensemble: where its members' folders are"),
+            models_dir: Path = typer.Option(Path("models"), help="with --ensemble: where its members' folders are "
+                                                                 "(exports: their exports)"),
             task: list[str] = typer.Option(..., "--task", help="a task to predict; repeat for several"),
             input_file: str = typer.Option(None, "--input", help="a TSV or JSON-lines file of texts; - for stdin"),
             output: Path = typer.Option(None, "--output", help="write the JSON lines here (default: stdout)"),
+            engine: str = typer.Option("auto", help="auto (an export's default graphs, else PyTorch) | onnx "
+                                                     "(fp32 graphs) | int8 | torch"),
             batch_size: int = typer.Option(128, min=1, help="texts per forward pass"),
-            bf16: bool = typer.Option(False, help="bf16 autocast: faster on CPUs with bf16 units"),
-            threads: int = typer.Option(0, min=0, help="CPU threads; 0 = torch's default")) -> None:
+            bf16: bool = typer.Option(False, help="PyTorch only: bf16 autocast, faster on CPUs with bf16 units"),
+            threads: int = typer.Option(0, min=0, help="CPU threads; 0 = the engine's default")) -> None:
     """Predict the requested tasks for every text, one JSON line per input row."""
-    quiet_libraries()
-    from mtbert.inference import EnsemblePredictor, Predictor  # after quieting: tqdm reads its env on import
+    from mtbert.deploy.predictors import load_predictor
 
     if (model is None) == (ensemble is None):
-        raise CommandInputError("give exactly one of --model (a variant's folder) or --ensemble "
+        raise CommandInputError("give exactly one of --model (a variant's folder or its export) or --ensemble "
                                 "(metrics/ensemble.json)")
     if bool(texts) == (input_file is not None):
         raise CommandInputError("give the texts either as arguments or with --input, not both and not neither")
-    device = setup_torch(seed=0, threads=threads)
-    options = {"batch_size": batch_size, "bf16": bf16, "device": device}
-    predictor = (Predictor.load(model, **options) if model is not None
-                 else EnsemblePredictor.load(ensemble, models_dir, **options))
+    predictor = load_predictor(model=model, ensemble=ensemble, models_dir=models_dir, engine=engine,
+                               batch_size=batch_size, threads=threads, bf16=bf16)
     columns = text_columns(predictor, task)
     rows = rows_from_arguments(texts, columns) if texts else rows_from_file(input_file, columns)
     results = [{"id": row["id"], **{column: row[column] for column in columns}} for row in rows]
@@ -70,22 +73,78 @@ def predict(texts: list[str] = typer.Argument(None, help="texts; for pair tasks 
     if output is None:
         sys.stdout.write(lines)
     else:
+        from mtbert import io  # here: it imports pyarrow, which printing to stdout does not need
+
         io.write_text(output, lines)
+
+
+@app.command()
+def export(model: Path = typer.Option(..., "--model", help="a trained variant's folder, e.g. models/base"),
+           out: Path = typer.Option(..., "--out", help="the export folder to write, e.g. exports/base"),
+           params_file: Path = typer.Option(Path("params.yaml"), help="its `export` section sets the export"),
+           tokenized_dir: Path = typer.Option(Path("data/tokenized"), help="the dev splits: the check against "
+                                                                          "PyTorch, the dev metrics"),
+           metrics: Path = typer.Option(None, "--metrics", help="also write the export's report (JSON) here"),
+           int8: bool = typer.Option(None, "--int8/--no-int8", help="int8 graphs too (default: export.int8)"),
+           threads: int = typer.Option(None, min=0, help="CPU threads (default: runtime.threads)")) -> None:
+    """Export a trained variant to ONNX: per task an fp32 graph (and int8), the tokenizer, a manifest."""
+    import dataclasses
+
+    from mtbert import io
+    from mtbert.deploy.export import export_variant
+    from mtbert.deploy.predictors import quiet_transformers
+    from mtbert.params import load_params
+    from mtbert.runtime import setup_logging, setup_torch
+
+    setup_logging()
+    quiet_transformers()
+    params = load_params(params_file)
+    options = params.export if int8 is None else dataclasses.replace(params.export, int8=int8)
+    threads = params.runtime.threads if threads is None else threads
+    setup_torch(seed=0, threads=threads)
+    report = export_variant(model, out, options, tokenized_dir, threads)
+    if metrics is not None:
+        io.write_metrics(metrics, report)
+    print(f"{out}: default engine {report['engine']} ({report['reason']})")
+
+
+@app.command()
+def serve(model: Path = typer.Option(None, "--model", help="an export (exports/base) or a trained folder"),
+          ensemble: Path = typer.Option(None, "--ensemble", help="the ensemble's metrics/ensemble.json"),
+          models_dir: Path = typer.Option(Path("models"), help="with --ensemble: where its members' folders are"),
+          engine: str = typer.Option("auto", help="auto | onnx | int8 | torch, as for `mtbert predict`"),
+          host: str = typer.Option("127.0.0.1", help="the address to listen on (0.0.0.0: every interface)"),
+          port: int = typer.Option(8000, min=0, max=65535),
+          workers: int = typer.Option(1, min=1, help="server processes, each with its own copy of the model"),
+          threads: int = typer.Option(0, min=0, help="CPU threads per worker; 0 = the cores shared among the "
+                                                     "workers"),
+          max_texts: int = typer.Option(256, min=1, help="texts (or pairs) per request"),
+          max_chars: int = typer.Option(2000, min=1, help="characters per text"),
+          max_body_bytes: int = typer.Option(1 << 20, min=64, help="bytes of a request's body"),
+          max_batch: int = typer.Option(64, min=1, help="texts per engine call, across concurrent requests"),
+          batch_wait_ms: float = typer.Option(2.0, min=0.0, help="how long a batch waits for more requests")) -> None:
+    """Serve the model over HTTP: POST /predict, GET /tasks, GET /health (docs/inference.md)."""
+    from mtbert.deploy.server import Batching, Limits, ServeConfig, run_server
+
+    if (model is None) == (ensemble is None):
+        raise CommandInputError("give exactly one of --model (an export or a trained folder) or --ensemble "
+                                "(metrics/ensemble.json)")
+    config = ServeConfig(model=model and str(model), ensemble=ensemble and str(ensemble), models_dir=str(models_dir),
+                         engine=engine, threads=threads or worker_threads(workers),
+                         limits=Limits(max_texts=max_texts, max_chars=max_chars, max_body_bytes=max_body_bytes),
+                         batching=Batching(max_batch=max_batch, wait_ms=batch_wait_ms))
+    run_server(config, host=host, port=port, workers=workers)
+
+
+def worker_threads(workers: int) -> int:
+    """The machine's cores shared among the server's workers, at least one each."""
+    import os
+
+    return max(1, (os.cpu_count() or 1) // workers)
 
 
 class CommandInputError(UserError, ValueError):
     """A command line or input file the command cannot read (the texts themselves: inference.InputError)."""
-
-
-def quiet_libraries() -> None:
-    """stderr is for errors: no loading or tokenizing progress bars."""
-    import os
-
-    os.environ.setdefault("TQDM_DISABLE", "1")  # before anything imports tqdm, which reads it then
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()
-    transformers_logging.set_verbosity_error()
 
 
 def text_columns(predictor, tasks: list[str]) -> list[str]:

@@ -15,11 +15,13 @@ undone for the tasks of `data.unescape_ptb`), the model folder's tokenizer with 
 (`predict_split`). So on the rows of a split, with the `predict` stage's batch size and precision, the
 results are `predict`'s dumps bit for bit. A result holds the dump's columns: SST `prob_0`..`prob_4` and
 `label`, QQP `prob` (of a paraphrase) and `label`, STS `score` (0-5) and `label` (the score).
+
+This is the PyTorch engine, for a trained variant's folder; an exported one (`mtbert export`) runs on ONNX
+Runtime without torch (mtbert/deploy/engine.py). The checks of the texts both share are in mtbert/inputs.py.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,35 +35,12 @@ from mtbert.data.tasks import Task
 from mtbert.data.tokenization import encode_rows
 from mtbert.evaluation.ensemble import average
 from mtbert.evaluation.evaluate import predict_split
+from mtbert.inputs import InputError, Text, check_texts, ensemble_members
 from mtbert.model.architectures import SHARED_DIR
 from mtbert.model.backbone import load_tokenizer
-from mtbert.model.saved import ModelFolderError, epoch_dir, load_model
-from mtbert.runtime import UserError
+from mtbert.model.saved import epoch_dir, load_model
 
-Text = str | Sequence[str]  # one sentence, or a pair
-
-
-class InputError(UserError, ValueError):
-    """A text to predict is empty, a pair lacks a side, or an input file cannot be read."""
-
-
-def check_texts(task: Task, texts: Sequence[Text], where: str = "input") -> list[tuple[str, ...]]:
-    """Each text as a tuple of the task's text columns; an empty text or a missing side is an InputError."""
-    if not texts:
-        raise InputError(f"{where}: no texts to predict")
-    width = len(task.text_columns)
-    rows = []
-    for index, text in enumerate(texts, start=1):
-        row = (text,) if isinstance(text, str) else tuple(text)
-        if len(row) != width:
-            kind = "a pair of sentences" if width == 2 else "one sentence"
-            raise InputError(f"{where} row {index}: task {task.name} reads {kind} "
-                             f"({', '.join(task.text_columns)}), got {len(row)} text(s)")
-        for column, value in zip(task.text_columns, row, strict=True):
-            if not isinstance(value, str) or not value.strip():
-                raise InputError(f"{where} row {index}: {column} is empty; expected a non-empty text")
-        rows.append(row)
-    return rows
+__all__ = ["EnsemblePredictor", "InputError", "Predictor", "Text", "check_texts", "describe", "split_of"]
 
 
 def split_of(table, task: Task) -> TaskSplit:
@@ -135,18 +114,8 @@ class EnsemblePredictor:
     @classmethod
     def load(cls, ensemble_file: Path | str = "metrics/ensemble.json", models_dir: Path | str = "models",
              **options) -> EnsemblePredictor:
-        path = Path(ensemble_file)
-        try:
-            report = json.loads(path.read_text(encoding="utf-8"))
-            members = {task: report[task]["order"] for task in _tasks_of(report)}
-        except (OSError, ValueError, KeyError, TypeError):
-            raise ModelFolderError(f"{path}: expected the ensemble stage's metrics/ensemble.json with each task's "
-                                   "`order` of members (run `dvc repro ensemble`)") from None
+        members = ensemble_members(ensemble_file)
         needed = sorted({member for order in members.values() for member in order})
-        snapshots = [member for member in needed if "@" in member]
-        if snapshots:
-            raise ModelFolderError(f"{path}: member {snapshots[0]} is an epoch snapshot, whose model is not kept; "
-                                   "run the ensemble with ensemble.snapshots: false to predict new text")
         return cls(members, {name: Predictor.load(Path(models_dir) / name, **options) for name in needed})
 
     def values(self, task_name: str, texts: Sequence[Text]) -> np.ndarray:
@@ -159,7 +128,3 @@ class EnsemblePredictor:
     def predict(self, task_name: str, texts: Sequence[Text]) -> list[dict]:
         return describe(self.tasks[task_name], self.values(task_name, texts))
 
-
-def _tasks_of(report: dict) -> list[str]:
-    """The task sections of metrics/ensemble.json: those with an `order` of members."""
-    return [key for key, value in report.items() if isinstance(value, dict) and "order" in value]

@@ -1,4 +1,7 @@
-"""Atomic writes: every file appears whole or not at all, so a killed stage leaves nothing half-written."""
+"""Atomic writes: every file appears whole or not at all, so a killed stage leaves nothing half-written.
+Checked reads of what stages hand each other (Parquet, JSON): a file cut short, damaged or without what
+its reader needs stops the stage with one line naming it, rather than with pyarrow's or json's traceback.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from mtbert.runtime import UnreadableInputError
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -86,3 +91,30 @@ def write_metrics(path: Path | str, data: Any) -> None:
 def write_parquet(path: Path | str, table: pa.Table) -> None:
     with atomic_path(path) as temp:
         pq.write_table(table, temp)
+
+
+def read_parquet(path: Path | str, columns: tuple[str, ...], remedy: str) -> pa.Table:
+    """A Parquet file with (at least) `columns`; one that is cut short, damaged or lacks one of them is an
+    UnreadableInputError naming it and ending with `remedy` (the caller checks that the file is there)."""
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as error:
+        detail = " ".join(str(error).split()).split(f"'{path}': ", 1)[-1]  # pyarrow repeats the path
+        raise UnreadableInputError(f"{path}: not a readable Parquet file ({detail}); {remedy}") from error
+    missing = [name for name in columns if name not in table.column_names]
+    if missing:
+        raise UnreadableInputError(f"{path}: has no column {missing[0]!r} (expected {', '.join(columns)}; it has "
+                                   f"{', '.join(table.column_names)}); {remedy}")
+    return table
+
+
+def read_json(path: Path | str, remedy: str, error_type: type[Exception] = UnreadableInputError) -> Any:
+    """A JSON file's content; one that does not parse is an `error_type` (a UserError) naming its line and
+    column and ending with `remedy` (the caller checks that the file is there)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        raise error_type(f"{path}: not UTF-8 text (byte {error.start}); {remedy}") from None
+    except json.JSONDecodeError as error:
+        raise error_type(f"{path}: not valid JSON at line {error.lineno}, column {error.colno} ({error.msg}); "
+                         f"{remedy}") from None

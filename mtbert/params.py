@@ -177,10 +177,17 @@ class PretrainParams:
         return self
 
 
+# A routing head's sizes unless set: 4 vectors of 64 (256 features into the output layer, against the 384 of
+# a pooled MiniLM vector), and the reference implementation's 2 iterations.
+ROUTING_DEFAULTS = {"routing_vectors": 4, "routing_dim": 64, "routing_iters": 2}
+
+
 @section
 class HeadParams:
     """One task's head. Every key has a default; a task left out of `heads` gets them all."""
-    pooling: Literal["cls", "mean", "max", "attention"] = "mean"  # cls: the pooler output; attention: CLS-anchored
+    # cls: the pooler output; attention: CLS-anchored; routing: Heinsen routing of the token vectors, in place
+    # of pooling and the hidden layers (mtbert/model/heads.py)
+    pooling: Literal["cls", "mean", "max", "attention", "routing"] = "mean"
     hidden_layers: Int = Field(1, ge=0, le=8)  # Linear-GELU-Dropout blocks before the output layer
     dropout: Float = Field(0.0, ge=0.0, lt=1.0)
     loss_weight: Float = Field(1.0, ge=0.0)
@@ -188,6 +195,11 @@ class HeadParams:
     encoding: Literal["cross", "bi"] | None = None
     combine: Literal["cosine", "features"] | None = None  # pairs only, default features; bi: cos(u,v) | [u,v,|u-v|,u*v]
     target: Literal["raw", "unit"] | None = None  # regression only, default raw: the label | it scaled to 0-1
+    # pooling routing only, defaults ROUTING_DEFAULTS. Left out of as_dict while null, so the saved params and
+    # resume fingerprints of every other head stay as they were.
+    routing_vectors: Int | None = Field(None, ge=2, le=64, exclude_if=lambda value: value is None)  # output vectors
+    routing_dim: Int | None = Field(None, ge=1, le=4096, exclude_if=lambda value: value is None)  # each one's size
+    routing_iters: Int | None = Field(None, ge=1, le=8, exclude_if=lambda value: value is None)  # routing iterations
 
     @property
     def is_bi(self) -> bool:
@@ -211,7 +223,9 @@ class TrainParams:
     grad_accum: Int = Field(ge=1)
     batch_size: PerTask(Int, ge=1)  # per task (default 32): examples per training batch
     eval_batch_size: Int = Field(ge=1)
-    sampler: Literal["round_robin", "proportional", "temperature", "annealed", "shuffled", "joint"]
+    # round_robin_smallest: the tasks in turn, each as many batches per epoch as the smallest task has
+    sampler: Literal["round_robin", "round_robin_smallest", "proportional", "temperature", "annealed", "shuffled",
+                     "joint"]
     temperature: Float = Field(gt=0.0)  # for sampler: temperature (p ~ n^(1/T))
     bucket_batches: Int = Field(ge=1)  # batches per length-sorting window; 1 turns bucketing off
     max_examples: Int = Field(ge=0)  # per task and split, for quick runs; 0 uses all
@@ -277,6 +291,19 @@ class PredictParams:
 
 
 @section
+class ExportParams:
+    """Deployable ONNX graphs of each trained variant (stage `export`, docs/inference.md)."""
+    opset: Int = Field(ge=14)  # the graphs' ONNX opset (14: the first with every op a BERT encoder needs)
+    tolerance: Float = Field(gt=0.0)  # the fp32 graphs must match PyTorch within this, or the export fails
+    check_rows: Int = Field(ge=1)  # dev rows per task run through both PyTorch and ONNX Runtime at export
+    batch_size: Int = Field(ge=1)  # rows per ONNX Runtime call for the dev metrics
+    int8: Bool  # also write int8 graphs: ONNX Runtime's dynamic quantization of the weights
+    int8_per_channel: Bool  # int8: one scale per output channel of each weight instead of per tensor
+    int8_max_drop: Float = Field(ge=0.0)  # int8 is the default engine only if no task's dev headline drops more
+    speed_rows: Int = Field(ge=1)  # dev rows per task timed with fp32 and int8 to see which is faster here
+
+
+@section
 class CheckpointEvery:
     """Optimiser steps between resume checkpoints."""
     train: Int = Field(ge=1)
@@ -304,6 +331,17 @@ class EnsembleParams:
 
 
 @section
+class DistillParams:
+    """A student trained on the ensemble's predictions of the training rows (stages `distill@<student>`);
+    docs/ensembling.md."""
+    enabled: Bool  # false: each student's stage writes outputs that say so, in seconds
+    variant: Str  # the key of `models:` whose configuration the students train with
+    students: dict[Str, Int]  # student name -> its train.seed; the students form one seed group in `stats`
+    alpha: Float = Field(ge=0.0, le=1.0)  # the teacher's weight in each row's loss; 1 - alpha: the gold label's
+    temperature: Float = Field(gt=0.0)  # classification and binary: teacher and student probabilities at T
+
+
+@section
 class StatsParams:
     """Seed statistics (stage `stats`)."""
     resamples: Int = Field(ge=1)  # bootstrap resamples of the dev rows per comparison
@@ -322,7 +360,12 @@ class Params:
     train: TrainParams
     smart: SmartParams
     predict: PredictParams
+    # Not in as_dict: train hashes as_dict (less the sections it names) into its fingerprint and mtbert.json,
+    # and exporting a model changes nothing train computes.
+    export: ExportParams = Field(exclude=True)
     ensemble: EnsembleParams
+    # Not in as_dict either: it trains students after the ensemble and changes nothing a variant computes.
+    distill: DistillParams = Field(exclude=True)
     stats: StatsParams
     runtime: RuntimeParams
     models: dict[Str, dict]  # named variants: overrides deep-merged over the sections above
@@ -348,6 +391,19 @@ class Params:
                 for knob, default in knobs.items()})
         for name, value in resolved.items():
             object.__setattr__(self, name, value)  # frozen: set here, once, to the resolved values
+        return self
+
+    @model_validator(mode="after")
+    def _students_beside_the_variants(self) -> Params:
+        if self.distill.enabled and self.distill.variant not in self.models:
+            raise ParamsError(f"distill.variant: expected a key of models ({', '.join(self.models)}), "
+                              f"got {self.distill.variant!r}")
+        if not self.distill.students:
+            raise ParamsError("distill.students: expected at least one student, e.g. {distilled: 0}")
+        for name in self.distill.students:
+            if not VARIANT_NAME.fullmatch(name) or name in self.models or name in ("ensemble", "pretrained"):
+                raise ParamsError(f"distill.students.{name}: a student name may use letters, digits, '_' and '-', "
+                                  "and cannot be a variant's, 'ensemble' or 'pretrained' (they share models/)")
         return self
 
 
@@ -405,8 +461,19 @@ def check_heads(tasks: dict[str, TaskParams], heads: dict[str, HeadParams], key:
         if head.is_bi and head.combine == "cosine" and task.kind == "classification":
             raise ParamsError(f"{key}.{name}.combine: cosine gives one score, but task {name} has "
                               f"{task.classes} classes; use features")
-        resolved[name] = head
+        resolved[name] = with_routing_sizes(head, f"{key}.{name}")
     return resolved
+
+
+def with_routing_sizes(head: HeadParams, key: str) -> HeadParams:
+    """A routing head with ROUTING_DEFAULTS for the sizes it leaves out; a size on another pooling fails."""
+    if head.pooling != "routing":
+        for option in ROUTING_DEFAULTS:
+            if getattr(head, option) is not None:
+                raise ParamsError(f"{key}.{option}: expected with pooling: routing only, got pooling: {head.pooling}")
+        return head
+    return dataclasses.replace(head, **{option: getattr(head, option) or default
+                                        for option, default in ROUTING_DEFAULTS.items()})
 
 
 def load_params(path: Path | str = DEFAULT_PARAMS_FILE) -> Params:
@@ -463,7 +530,7 @@ def merged_variant(raw: dict, variant: str) -> dict:
     overrides = models[variant] or {}
     if not isinstance(overrides, dict):
         raise ParamsError(f"models.{variant}: expected a mapping of overrides, got {overrides!r}")
-    for name in ("models", "tasks", "ensemble", "stats"):  # tokenize's tasks; what combines the variants
+    for name in ("models", "tasks", "ensemble", "distill", "stats"):  # tokenize's tasks; what combines the variants
         if name in overrides:
             raise ParamsError(f"models.{variant}: a variant cannot override '{name}'")
     refuse_null_mappings(raw, overrides, f"models.{variant}")

@@ -18,6 +18,10 @@ class MissingInputError(UserError, FileNotFoundError):
     """A stage's input file is not there (an earlier stage has not run)."""
 
 
+class UnreadableInputError(UserError, ValueError):
+    """A stage's input file is there but cut short, damaged or not what the stage that writes it writes."""
+
+
 def run_app(app) -> None:
     """Run a stage's typer app, turning a UserError into one line on stderr and exit status 1."""
     try:

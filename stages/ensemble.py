@@ -9,7 +9,6 @@ their counts, the honest estimate (choose on one half of dev, score on the other
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from mtbert.evaluation.plots import write_plot_tables
 from mtbert.evaluation.predictions import read_aligned, read_dump, rejected_ids, write_dump, write_submission
 from mtbert.model.card import CARD_FILE, ensemble_card
 from mtbert.params import as_dict, load_params
-from mtbert.runtime import MissingInputError, run_app, setup_logging
+from mtbert.runtime import MissingInputError, UnreadableInputError, run_app, setup_logging
 
 log = logging.getLogger("ensemble")
 app = typer.Typer(add_completion=False)
@@ -101,7 +100,11 @@ def chosen_epoch(directory: Path, task: Task) -> int:
     path = directory / "chosen.json"
     if not path.is_file():
         raise MissingInputError(f"{path} is missing; run `dvc repro` for the train stage that writes it")
-    return json.loads(path.read_text(encoding="utf-8"))[task.name]
+    chosen = io.read_json(path, "expected the epochs `train` chose: run `dvc repro` for that train stage again")
+    if not isinstance(chosen, dict) or not isinstance(chosen.get(task.name), int):
+        raise UnreadableInputError(f"{path}: names no epoch for task {task.name!r}; run `dvc repro` for the "
+                                   "train stage that writes it again")
+    return chosen[task.name]
 
 
 def dev_labels(tokenized_dir: Path, task: Task) -> tuple[np.ndarray, np.ndarray]:

@@ -2,7 +2,9 @@
 
 Writes data/predictions/<variant>/<task>-<split>.parquet (unrounded predictions), the CS224N CSVs
 beside them and metrics/<variant>.json. The tasks are the ones the model was trained on (saved in its
-folder); each task runs on the snapshot of the epoch it kept (see mtbert/model/saved.py).
+folder); each task runs on the snapshot of the epoch it kept (see mtbert/model/saved.py). With
+distill.enabled it dumps the training split too: the ensemble's predictions of it teach the students
+(stage `distill`, mtbert/evaluation/teacher.py).
 """
 
 from __future__ import annotations
@@ -42,19 +44,29 @@ def main(variant: str = typer.Option(..., "--variant", help="a key of `models:` 
     model, _ = load_model(models_dir / variant)
     model.to(device)
     out_dir = predictions_dir / variant
+    splits = ("dev", "test", "train") if all_params.distill.enabled else ("dev", "test")
+    dev_metrics = write_predictions(model, splits, tokenized_dir, rejects_file, out_dir, params.batch_size, device,
+                                    bf16)
+    io.write_metrics(metrics_dir / f"{variant}.json", dev_metrics)
+    log.info("%s dev: overall %.4f  %s", variant, dev_metrics["overall"], headline_summary(dev_metrics, model.tasks))
+
+
+def write_predictions(model, splits: tuple[str, ...], tokenized_dir: Path, rejects_file: Path, out_dir: Path,
+                      batch_size: int, device, bf16: bool) -> dict:
+    """Every task's dumps of the splits into out_dir, with the CS224N files of dev and test; the dev metrics."""
     dev_metrics = {}
     for task in model.tasks.values():
-        for split in ("dev", "test"):
+        for split in splits:
             data = load_split(tokenized_dir, task, split)
-            values = predict_split(model, data, params.batch_size, device, bf16)
+            values = predict_split(model, data, batch_size, device, bf16)
             write_dump(out_dir, task, split, data.ids, values)
-            write_submission(out_dir, task, split, data.ids, values, rejected_ids(rejects_file, task.name, split))
+            if split != "train":  # the grader's files are of dev and test
+                write_submission(out_dir, task, split, data.ids, values, rejected_ids(rejects_file, task.name, split))
             if split == "dev":
                 dev_metrics[task.name] = task_metrics(task, values, data.labels)
             log.info("%s-%s: %d predictions", task.name, split, len(data))
     dev_metrics["overall"] = overall(dev_metrics, model.tasks)
-    io.write_metrics(metrics_dir / f"{variant}.json", dev_metrics)
-    log.info("%s dev: overall %.4f  %s", variant, dev_metrics["overall"], headline_summary(dev_metrics, model.tasks))
+    return dev_metrics
 
 
 if __name__ == "__main__":

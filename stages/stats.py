@@ -1,6 +1,7 @@
 """Stage `stats`: seed statistics of the variants, and their per-epoch curves.
 
-Variants whose params differ only in `train.seed` form a group. Writes metrics/stats.json: per group and
+Variants whose params differ only in `train.seed` form a group, and so do the distilled students of stage
+`distill` (with distill.enabled; their dumps are in data/distilled/). Writes metrics/stats.json: per group and
 task the mean, std, min and max over seeds of each dev metric and of the epoch kept, and for each pair of
 groups the difference of their seed-averaged headline metrics with a paired bootstrap interval (see
 mtbert/evaluation/seeds.py); and metrics/curves.tsv, every variant's dev metrics and training loss
@@ -9,7 +10,6 @@ per epoch, which `dvc plots show` draws one panel per metric with a line per var
 
 from __future__ import annotations
 
-import json
 import logging
 from itertools import combinations
 from pathlib import Path
@@ -24,7 +24,7 @@ from mtbert.evaluation.metrics import overall, task_metrics
 from mtbert.evaluation.predictions import read_aligned
 from mtbert.evaluation.report import curve_rows, curves_table
 from mtbert.evaluation.seeds import compare_groups, group_statistics, seed_groups, spread
-from mtbert.params import load_params, variant_params
+from mtbert.params import Params, load_params, variant_params
 from mtbert.runtime import MissingInputError, run_app, setup_logging
 
 log = logging.getLogger("stats")
@@ -35,6 +35,7 @@ app = typer.Typer(add_completion=False)
 def main(params_file: Path = typer.Option(Path("params.yaml")),
          tokenized_dir: Path = typer.Option(Path("data/tokenized")),
          predictions_dir: Path = typer.Option(Path("data/predictions")),
+         distilled_dir: Path = typer.Option(Path("data/distilled"), help="the distilled students' dumps"),
          train_metrics_dir: Path = typer.Option(Path("metrics/train")),
          stats_file: Path = typer.Option(Path("metrics/stats.json")),
          curves_file: Path = typer.Option(Path("metrics/curves.tsv"))) -> None:
@@ -42,11 +43,14 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
     params = load_params(params_file)
     tasks = tasks_from_params(params.tasks)
     groups = seed_groups(yaml.safe_load(params_file.read_text(encoding="utf-8")))
+    students = student_groups(params)
+    folders = {variant: predictions_dir / variant for variants in groups.values() for variant in variants}
+    folders.update({student: distilled_dir / student for group in students.values() for student in group})
+    groups = {**groups, **students}
     dev_splits = {name: load_split(tokenized_dir, task, "dev") for name, task in tasks.items()}
     labels = {name: split.labels for name, split in dev_splits.items()}
-    dev = {variant: {name: read_aligned(predictions_dir / variant, task, "dev", dev_splits[name].ids)
-                     for name, task in tasks.items()}
-           for variants in groups.values() for variant in variants}
+    dev = {variant: {name: read_aligned(folder, task, "dev", dev_splits[name].ids) for name, task in tasks.items()}
+           for variant, folder in folders.items()}
     summaries = {variant: read_summary(train_metrics_dir / f"{variant}.json") for variant in dev}
     report: dict = {"tasks": {name: task.headline for name, task in tasks.items()}, "groups": {},
                     "comparisons": {}, "bootstrap": {"resamples": params.stats.resamples,
@@ -59,9 +63,10 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
             per_variant.append({**metrics, "overall": overall(metrics, tasks)})
             curves += curve_rows(variant, group, summaries[variant], tasks)
         report["groups"][group] = {
-            "variants": variants, "seeds": [variant_params(params_file, v).train.seed for v in variants],
+            "variants": variants, "seeds": [seed_of(params_file, params, v) for v in variants],
             "dev": group_statistics(per_variant, tasks),
-            "epochs": {name: spread([summaries[v]["task_epochs"][name] for v in variants]) for name in tasks}}
+            "epochs": {name: spread([summaries[v]["task_epochs"][name] for v in variants]) for name in tasks},
+            **({"student_of": params.distill.variant} if group in students else {})}
         log.info("%s (%d seeds): dev overall %.4f ± %.4f", group, len(variants),
                  report["groups"][group]["dev"]["overall"]["mean"], report["groups"][group]["dev"]["overall"]["std"])
     for first, second in combinations(groups, 2):
@@ -75,10 +80,23 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
     io.write_text(curves_file, curves_table(curves))
 
 
+def student_groups(params: Params) -> dict[str, list[str]]:
+    """The distilled students as one seed group, named after the first; none with distill.enabled false."""
+    students = list(params.distill.students) if params.distill.enabled else []
+    return {students[0]: students} if students else {}
+
+
+def seed_of(params_file: Path, params: Params, name: str) -> int:
+    """The train.seed of a variant or a distilled student."""
+    if params.distill.enabled and name in params.distill.students:
+        return params.distill.students[name]
+    return variant_params(params_file, name).train.seed
+
+
 def read_summary(path: Path) -> dict:
     if not path.is_file():
         raise MissingInputError(f"{path} is missing; run `dvc repro` for the train stage that writes it")
-    return json.loads(path.read_text(encoding="utf-8"))
+    return io.read_json(path, "expected the summary `train` writes: run `dvc repro` for that train stage again")
 
 
 if __name__ == "__main__":

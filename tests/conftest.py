@@ -204,3 +204,11 @@ def pytest_collection_modifyitems(items):
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: each file's tests keep their order
+
+
+@pytest.fixture(scope="session")
+def deployed(tmp_path_factory, tiny_backbone, tiny_tokenized):
+    """Two small variants with their dumps, the ensemble over them and their exports (tests/deployed.py)."""
+    from tests.deployed import build
+
+    return build(tmp_path_factory.mktemp("deployed"), tiny_backbone, tiny_tokenized)

@@ -55,7 +55,7 @@ def test_suite_writes_every_figure(tmp_path, tiny_backbone, tiny_tokenized):
     result = CliRunner().invoke(app, ["--train-steps", "2", "--block", "1", "--smart-steps", "2", "--peer-steps", "2",
                                       "--predict-examples", "8", "--memory-steps", "2",
                                       "--params-file", str(params), "--tokenized-dir", str(tiny_tokenized),
-                                      "--json-out", str(out)])
+                                      "--exports-dir", str(tmp_path / "no-exports"), "--json-out", str(out)])
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
     assert set(figures["train"]) == {"naive", "default", "default_bf16"}
@@ -85,6 +85,7 @@ def test_suite_writes_every_figure(tmp_path, tiny_backbone, tiny_tokenized):
     output = result.output
     assert "1. train speed mtbert / Hugging Face Trainer" in output and "7. mtbert predict" in output
     assert output.index("1. train speed mtbert / Hugging Face Trainer") < output.index("1b. train speed-up default")
+    assert figures["deploy"] is None and "8. deployment: skipped" in output  # no export: test_deploy_bench's
 
 
 def test_profile_groups_a_steps_operators_into_categories(tmp_path, tiny_backbone, tiny_tokenized):
@@ -103,3 +104,28 @@ def test_profile_groups_a_steps_operators_into_categories(tmp_path, tiny_backbon
     assert figures["steps"] == 2 and "matmul" in figures["categories"] and all(share >= 0 for share in shares)
     assert figures["outside_operators_share"] == pytest.approx(max(0.0, 1 - sum(shares)), abs=0.01)
     assert figures["top_operators"] and "top operators (self CPU)" in result.output
+
+
+def test_deploy_bench_writes_every_figure(tmp_path, deployed):
+    """Figure 8 on the small exported variant: every engine, the cold starts and the bounded load test."""
+    from bench.deploy import app as deploy_app
+
+    out = tmp_path / "deploy.json"
+    result = CliRunner().invoke(deploy_app, ["--variant", "cross", "--params-file", str(deployed.params_file),
+                                             "--models-dir", str(deployed.models), "--exports-dir",
+                                             str(deployed.exports), "--tokenized-dir", str(deployed.tokenized),
+                                             "--texts-per-task", "8", "--single-calls", "5", "--rounds", "1",
+                                             "--cold-starts", "1", "--clients", "3", "--requests", "4",
+                                             "--json-out", str(out)])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    assert figures["engines"] == ["torch", "onnx", "int8"]
+    for engine in figures["engines"]:
+        assert figures["single_sentence_ms"][engine]["p95"] >= figures["single_sentence_ms"][engine]["p50"] > 0
+        assert figures["sentences_per_second"][engine] > 0
+    assert set(figures["speedup_over_torch"]) == {"onnx", "int8"}
+    assert figures["cold_start_seconds"]["export"] > 0 and figures["cold_start_seconds"]["torch"] > 0
+    server = figures["server"]
+    assert server["sent"] == 12 and server["answered"] == {"200": 12} and server["accounted_for"]
+    assert server["latency_ms"]["p99"] >= server["latency_ms"]["p50"] > 0 and server["requests_per_second"] > 0
+    assert "8. deployment" in result.output and "mtbert serve (1 worker(s)): 12 requests" in result.output

@@ -8,7 +8,7 @@ import torch
 from mtbert.model.backbone import load_encoder
 from mtbert.model.multitask import MultitaskModel
 from mtbert.model.pooling import pool
-from mtbert.params import load_params
+from mtbert.params import ROUTING_DEFAULTS, load_params
 from mtbert.training.optim import make_optimizer
 from tests.conftest import REPO_ROOT, TASKS
 
@@ -52,13 +52,14 @@ def batch_for(encoding: str, labels):
             "labels": torch.tensor(labels)}
 
 
-@pytest.mark.parametrize("pooling", ["cls", "mean", "max", "attention"])
+@pytest.mark.parametrize("pooling", ["cls", "mean", "max", "attention", "routing"])
 @pytest.mark.parametrize(("encoding", "combine"), [("cross", "features"), ("bi", "features"), ("bi", "cosine")])
 def test_every_pair_encoding_and_pooling_gives_the_right_shapes(params, encoder, pooling, encoding, combine):
+    sizes = ROUTING_DEFAULTS if pooling == "routing" else {}
     heads = {
-        "sst": dataclasses.replace(params.heads["sst"], pooling=pooling),
-        "qqp": dataclasses.replace(params.heads["qqp"], pooling=pooling, encoding=encoding, combine=combine),
-        "sts": dataclasses.replace(params.heads["sts"], pooling=pooling, encoding=encoding, combine=combine)}
+        "sst": dataclasses.replace(params.heads["sst"], pooling=pooling, **sizes),
+        "qqp": dataclasses.replace(params.heads["qqp"], pooling=pooling, encoding=encoding, combine=combine, **sizes),
+        "sts": dataclasses.replace(params.heads["sts"], pooling=pooling, encoding=encoding, combine=combine, **sizes)}
     model = MultitaskModel(encoder, TASKS, heads).eval()
     sst = model("sst", batch_for("cross", [1, 4]))
     qqp = model("qqp", batch_for(encoding, [0.0, 1.0]))

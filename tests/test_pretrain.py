@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +16,12 @@ from typer.testing import CliRunner
 
 from mtbert.data.batches import TokenColumn
 from mtbert.data.masking import IGNORE_INDEX, MaskingVocab, mask_tokens
+from mtbert.io import rounded
 from mtbert.model.backbone import PROVENANCE_FILE, starting_point
 from mtbert.params import load_params
 from mtbert.training.loop import Paths
 from stages.pretrain import app, pretrain
+from tests.conftest import REPO_ROOT, kill_once_checkpointed
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +165,27 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, finished_run, 
     assert strip(resumed) == strip(summary)
     trained, again = encoder_weights(root / "pretrained"), encoder_weights(tmp_path / "pretrained")
     assert all(torch.equal(trained[k], again[k]) for k in trained)
+
+
+def pretrain_command(params: Path, root: Path, tokenized: Path) -> list[str]:
+    return [sys.executable, "-m", "stages.pretrain", "--params-file", str(params), "--tokenized-dir", str(tokenized),
+            "--out-dir", str(root / "pretrained"), "--metrics-file", str(root / "pretrain.json"),
+            "--live-dir", str(root / "live"), "--checkpoints-dir", str(root / "ck")]
+
+
+def test_pretrain_killed_with_kill_9_resumes_to_the_uninterrupted_result(tmp_path, finished_run, tiny_backbone,
+                                                                         tiny_tokenized):
+    root, summary = finished_run
+    command = pretrain_command(pretrain_params(tmp_path, tiny_backbone), tmp_path, tiny_tokenized)
+    kill_once_checkpointed(command, tmp_path / "ck" / "last.pt")  # at step 8 of 24
+    assert not (tmp_path / "pretrained").exists()
+    subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True)
+    resumed = json.loads((tmp_path / "pretrain.json").read_text())
+    resumed.pop("speed")
+    assert resumed == rounded({k: v for k, v in summary.items() if k != "speed"})
+    trained, again = encoder_weights(root / "pretrained"), encoder_weights(tmp_path / "pretrained")
+    assert all(torch.equal(trained[k], again[k]) for k in trained)
+    assert not (tmp_path / "ck").exists()
 
 
 def test_whole_word_run_trains(tmp_path, tiny_backbone, tiny_tokenized):

@@ -110,3 +110,28 @@ def test_token_column_of_a_sliced_table_pads_the_right_rows():
     ids, mask = column.padded(np.array([0, 1]))
     assert ids.tolist() == [[2, 3, 0], [4, 5, 6]]
     assert mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+
+
+def test_round_robin_smallest_gives_every_task_the_smallest_tasks_batches_in_turn():
+    schedule = epoch_schedule("round_robin_smallest", BATCHES, SIZES, seed=0, epoch=0, epochs=1, temperature=1)
+    assert schedule[:4] == [("sst",), ("qqp",), ("sts",), ("sst",)]
+    assert Counter(task for step in schedule for task in step) == dict.fromkeys(SIZES, BATCHES["sts"])
+    assert len(schedule) == 3 * min(BATCHES.values())  # the epoch (and the LR schedule) shrink with it
+
+
+def test_round_robin_smallest_uses_other_rows_of_the_larger_task_each_epoch_and_covers_them():
+    batches = {"small": 2, "large": 5}  # 10 and 25 rows in batches of 5
+    streams = {"small": TaskStream(np.ones(10), 5, 1, seed=0, stream_id=0),
+               "large": TaskStream(np.ones(25), 5, 1, seed=0, stream_id=1)}
+    drawn = []  # per epoch, the rows each task trained on
+    for epoch in range(3):
+        rows: dict[str, list[int]] = {"small": [], "large": []}
+        for (task,) in epoch_schedule("round_robin_smallest", batches, {"small": 10, "large": 25}, seed=0,
+                                      epoch=epoch, epochs=3, temperature=1):
+            rows[task] += streams[task].next().tolist()
+        drawn.append(rows)
+    assert all(sorted(rows["small"]) == list(range(10)) for rows in drawn)  # the smallest: one pass per epoch
+    assert all(len(rows["large"]) == 10 for rows in drawn)  # down-sampled to the smallest task's batches
+    assert not set(drawn[0]["large"]) & set(drawn[1]["large"])  # other rows in the next epoch
+    first_pass = drawn[0]["large"] + drawn[1]["large"] + drawn[2]["large"][:5]
+    assert sorted(first_pass) == list(range(25))  # within a few epochs every row was trained on once

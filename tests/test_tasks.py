@@ -332,7 +332,7 @@ def test_heads_take_the_defaults_of_their_tasks_text_and_kind(raw_params):
     ("heads.sst.combine", "features", False, r"heads.sst.combine: task sst has one sentence, so it takes no combine"),
     ("heads.qqp.target", "unit", False, r"heads.qqp.target: expected for regression tasks only \(task qqp is binary"),
     ("heads.sst.target", "raw", False, r"heads.sst.target: expected for regression tasks only \(task sst is class"),
-    ("heads.sst.pooling", "first", False, r"heads.sst.pooling: expected 'cls', 'mean', 'max' or 'attention'"),
+    ("heads.sst.pooling", "first", False, r"heads.sst.pooling: expected 'cls', 'mean', 'max', 'attention' or 'rout"),
     ("heads.sst.dropout", 1.0, False, r"heads.sst.dropout: expected a value < 1.0, got 1.0"),
     ("heads.qqp.bias", True, False, r"unknown key 'heads.qqp.bias'; heads.qqp accepts: pooling, hidden_layers"),
     ("tasks.sts.range", None, True, r"tasks.sts.range: kind regression expects \[lowest, highest\], got None"),

@@ -2,42 +2,18 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from mtbert.params import variant_params
 from mtbert.training import finetune
 from mtbert.training.loop import Paths, TrainingError
 from stages.train import fine_tune
 from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params, saved_heads
-from tests.runs import prepared
-
-
-def train_command(params: Path, out: Path) -> list[str]:
-    backbone = yaml.safe_load(params.read_text())["model"]["name"]
-    return [sys.executable, "-m", "stages.train", "--variant", "base", "--params-file", str(params),
-            "--pretrained-dir", backbone,
-            "--tokenized-dir", str(out.parent / "tok"), "--models-dir", str(out / "models"),
-            "--metrics-dir", str(out / "metrics"), "--checkpoints-dir", str(out / "ck"),
-            "--snapshots-dir", str(out / "snapshots")]
-
-
-def run_training(params: Path, tokenized: Path, out: Path) -> dict:
-    command = train_command(params, out)
-    command[command.index("--tokenized-dir") + 1] = str(tokenized)
-    subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True)
-    return result_of(out)
-
-
-def result_of(out: Path) -> dict:
-    summary = json.loads((out / "metrics" / "base.json").read_text())
-    summary.pop("speed")
-    return {"summary": summary, "heads": saved_heads(out / "models" / "base")}
+from tests.runs import prepared, result_of, run_training, train_command
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +35,7 @@ def test_same_params_and_seed_give_identical_metrics(tmp_path, training_params, 
 
 def test_resume_after_kill_9_equals_an_uninterrupted_run(tmp_path, training_params, tiny_tokenized,
                                                          uninterrupted):
-    command = train_command(training_params, tmp_path)
-    command[command.index("--tokenized-dir") + 1] = str(tiny_tokenized)
+    command = train_command(training_params, tmp_path, tiny_tokenized)
     checkpoint = tmp_path / "ck" / "base" / "last.pt"
     kill_once_checkpointed(command, checkpoint)
     assert not (tmp_path / "metrics" / "base.json").exists()
@@ -213,6 +188,42 @@ def test_a_checkpoint_of_another_layout_is_ignored_like_one_of_other_params(tmp_
     old_layout = tmp_path / "last.pt"  # as mtbert's loop before the typed checkpoint wrote it, same fingerprint
     torch.save({"fingerprint": "same", "model": {}, "optimizer": {}, "scheduler": {}, "ranks": [],
                 "history": "[]", "running": "{}", "train_seconds": 1.0, "loop": {}}, old_layout)
-    assert load_checkpoint(old_layout, finetune.FineTuningCheckpoint, finetune.Progress, "same") is None
+    assert load_checkpoint(tmp_path, finetune.FineTuningCheckpoint, finetune.Progress, "same") is None
     assert "holds no FineTuningCheckpoint" in caplog.text
-    assert old_layout.is_file()  # left where it was
+    assert old_layout.is_file()  # left where it was: it is readable, so it is not set aside
+
+
+@pytest.fixture(scope="module")
+def smart_ema_params(tmp_path_factory, tiny_backbone) -> Path:
+    """SMART (adversarial, with the Bregman teacher) and the weights' moving average together: every piece
+    of state a checkpoint carries beyond the plain loop's."""
+    return make_params(tmp_path_factory.mktemp("smart_ema"), tiny_backbone, Path("unused"),
+                       heads={"sts": {"encoding": "bi"}}, train={"ema": 0.5, "lr": 3e-4, "epochs": 1},
+                       smart={"lambda": 1.0, "task_lambda": {"qqp": 0.0, "sts": None}, "mu": 1.0, "beta": 0.9,
+                              "mode": "adversarial", "radius": 0.1})
+
+
+def test_smart_and_moving_average_resume_after_kill_9_like_an_uninterrupted_run(tmp_path, smart_ema_params,
+                                                                               tiny_tokenized):
+    uninterrupted = run_training(smart_ema_params, tiny_tokenized, tmp_path / "a")
+    command = train_command(smart_ema_params, tmp_path / "b", tiny_tokenized)
+    checkpoint = tmp_path / "b" / "ck" / "base" / "last.pt"
+    kill_once_checkpointed(command, checkpoint)
+    subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True)
+    assert result_of(tmp_path / "b") == uninterrupted
+    assert "sst/smart_loss" in uninterrupted["summary"]["epochs"][0]["regularisers"]
+    assert all("dev_raw" in record for record in uninterrupted["summary"]["epochs"])
+
+
+def test_round_robin_smallest_trains_every_task_the_smallest_tasks_batches_and_resumes(tmp_path, tiny_backbone,
+                                                                                      tiny_tokenized, monkeypatch):
+    # SST cut to 8 rows: 2 batches of 4 per epoch for every task (QQP and STS have 4), 6 steps per epoch
+    params = variant_params(make_params(tmp_path, tiny_backbone, Path("unused"), train={
+        "sampler": "round_robin_smallest", "max_train_examples": {"sst": 8}}), "base")
+    uninterrupted, resumed = uninterrupted_and_resumed(params, tiny_tokenized, tmp_path, monkeypatch)
+    assert resumed == uninterrupted  # the crash came mid-epoch 1, after the checkpoint at update 3
+    assert [record["task_batches"] for record in uninterrupted["epochs"]] == [{"sst": 2, "qqp": 2, "sts": 2}] * 2
+    assert [record["examples"] for record in uninterrupted["epochs"]] == [24, 24]
+    run = prepared(params, run_paths(tmp_path / "c", tiny_tokenized)).run
+    decay = run.scheduler.lr_lambdas[0]  # linear: reaches 0 at the schedule's last update, 2 epochs of 6 steps
+    assert run.steps_per_epoch == 6 and decay(11) > 0 and decay(12) == 0

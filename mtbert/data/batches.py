@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
+from mtbert import io
 from mtbert.data.tasks import Task, tokenized_path
 from mtbert.runtime import MissingInputError
 
@@ -101,11 +101,18 @@ class TaskSplit:
         return batch
 
 
-def load_split(tokenized_dir: Path | str, task: Task, split: str, max_examples: int = 0) -> TaskSplit:
-    path = tokenized_path(tokenized_dir, task.name, split)
+def tokenized_input(tokenized_dir: Path | str, task: str, split: str) -> Path:
+    """The path of a tokenized split, which must be there."""
+    path = tokenized_path(tokenized_dir, task, split)
     if not path.is_file():
         raise MissingInputError(f"{path} is missing; run `dvc repro tokenize` first")
-    table = pq.read_table(path)
+    return path
+
+
+def load_split(tokenized_dir: Path | str, task: Task, split: str, max_examples: int = 0) -> TaskSplit:
+    path = tokenized_input(tokenized_dir, task.name, split)
+    table = io.read_parquet(path, split_columns(task), "expected a split `tokenize` writes: run `dvc repro "
+                            "tokenize` again (or `dvc checkout data/tokenized` to restore it)")
     if max_examples:
         table = table.slice(0, max_examples)
     token_columns = [name for name in ("input_ids", "token_type_ids", "input_ids_1", "input_ids_2")
@@ -114,6 +121,11 @@ def load_split(tokenized_dir: Path | str, task: Task, split: str, max_examples: 
     return TaskSplit(task=task, ids=np.asarray(table.column("id").to_pylist(), dtype=object),
                      labels=labels, tokens={name: TokenColumn.from_arrow(table.column(name))
                                             for name in token_columns})
+
+
+def split_columns(task: Task) -> tuple[str, ...]:
+    """The columns `tokenize` writes that a TaskSplit reads."""
+    return ("id", "label", "input_ids", "token_type_ids", *(("input_ids_1", "input_ids_2") if task.is_pair else ()))
 
 
 def bucketed_batches(lengths: np.ndarray, batch_size: int, bucket_batches: int,

@@ -10,6 +10,10 @@ params.yaml (`tasks.<name>.kind`), never on the task's name:
 - regression (a range [lo, hi]): label a number in it; one score; MSE; the squared error; Pearson and
   Spearman; a predicted-vs-gold scatter.
 
+A distilled student (mtbert/training/distillation.py) also learns from a teacher's predictions, by kind:
+the cross-entropy against the teacher's class probabilities or P(label 1) at a temperature T (times T^2),
+or the squared error against its score.
+
 A regression head regresses on the label itself (`target: raw`) or on (label - lo) / (hi - lo) through a
 sigmoid (`target: unit`).
 """
@@ -71,6 +75,10 @@ class Kind:
         """SMART's l_s between two outputs in loss space, one value per example: (B,)."""
         raise NotImplementedError
 
+    def teacher_loss(self, outputs: torch.Tensor, teacher: torch.Tensor, temperature: float, head) -> torch.Tensor:
+        """Batch-mean loss against a teacher's predictions (user-facing values, as the dumps hold them)."""
+        raise NotImplementedError
+
     # --- predictions as arrays ---
     def metrics(self, values: np.ndarray, labels: np.ndarray) -> dict[str, float]:
         raise NotImplementedError
@@ -117,6 +125,13 @@ class Classification(Kind):
         log_p, log_q = F.log_softmax(a.float(), -1), F.log_softmax(b.float(), -1)
         return ((log_p.exp() - log_q.exp()) * (log_p - log_q)).sum(-1)
 
+    def teacher_loss(self, outputs, teacher, temperature, head):
+        """Cross-entropy of the student's softmax at T against the teacher's probabilities at T (the softmax of
+        their logs over T: for one teacher, of its logits over T), times T^2, which keeps the gradient's size
+        whatever T (Hinton et al. 2015)."""
+        soft = F.softmax(teacher.float().clamp(min=1e-12).log() / temperature, -1)
+        return F.cross_entropy(outputs.float() / temperature, soft) * temperature ** 2
+
     def metrics(self, values, labels):
         predicted = values.argmax(-1)
         labels = labels.astype(int)
@@ -155,6 +170,12 @@ class Binary(Kind):
         """KL + reverse KL of Bernoulli(sigmoid(a)) and Bernoulli(sigmoid(b)); it reduces to (p - q)(a - b)."""
         a, b = a.float(), b.float()
         return (torch.sigmoid(a) - torch.sigmoid(b)) * (a - b)
+
+    def teacher_loss(self, outputs, teacher, temperature, head):
+        """As for classification, with the two classes of a Bernoulli: BCE of the student's logit over T against
+        sigmoid(logit(p_teacher) / T), times T^2."""
+        soft = torch.sigmoid(torch.logit(teacher.float(), eps=1e-7) / temperature)
+        return F.binary_cross_entropy_with_logits(outputs.float() / temperature, soft) * temperature ** 2
 
     def metrics(self, values, labels):
         predicted = values >= 0.5
@@ -215,6 +236,10 @@ class Regression(Kind):
     def predictions(self, outputs, head):
         outputs = outputs.float()
         return outputs * (self.high - self.low) + self.low if self._unit(head) else outputs
+
+    def teacher_loss(self, outputs, teacher, temperature, head):
+        """The squared error against the teacher's score, on the head's target scale (no temperature)."""
+        return self.loss(outputs, teacher, head)
 
     def divergence(self, a, b):
         if a.shape != b.shape:

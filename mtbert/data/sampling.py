@@ -2,8 +2,11 @@
 
 An epoch is defined as the sum over tasks of the batches in one pass over that task (so every sampler
 processes about the same number of examples per epoch); `joint` takes one batch of every task per
-step, so its epoch has that sum divided by the number of tasks steps. Schedules and batch orders are
-pure functions of (seed, epoch, pass), which is what lets a resumed run continue exactly.
+step, so its epoch has that sum divided by the number of tasks steps. `round_robin_smallest` is the
+exception: every task is down-sampled to the smallest task's batches, so its epoch is one pass over the
+smallest task, and the larger tasks' streams go on where the last epoch left them (other rows each
+epoch; over the epochs, every row). Schedules and batch orders are pure functions of (seed, epoch,
+pass), which is what lets a resumed run continue exactly.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ def epoch_schedule(sampler: str, batches_per_pass: dict[str, int], sizes: dict[s
     rng = np.random.default_rng([seed, 7919, epoch])
     if sampler == "round_robin":
         return [(tasks[i % len(tasks)],) for i in range(steps)]
+    if sampler == "round_robin_smallest":  # each TaskStream keeps its place across epochs: new rows each epoch
+        return [(task,) for _ in range(min(batches_per_pass.values())) for task in tasks]
     if sampler == "shuffled":
         pool = np.repeat(np.arange(len(tasks)), [batches_per_pass[t] for t in tasks])
         return [(tasks[i],) for i in rng.permutation(pool)]

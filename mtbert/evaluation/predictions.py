@@ -13,11 +13,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from mtbert import io
 from mtbert.data.tasks import Task
-from mtbert.runtime import MissingInputError, UserError
+from mtbert.runtime import MissingInputError, UnreadableInputError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,8 @@ def read_dump(directory: Path | str, task: Task, split: str) -> tuple[np.ndarray
     path = dump_path(directory, task.name, split)
     if not path.is_file():
         raise MissingInputError(f"{path} is missing; run `dvc repro` for the predict stage that writes it")
-    table = pq.read_table(path)
+    table = io.read_parquet(path, ("id", *task.kind.value_columns()), "expected a dump `predict` or `train` writes: "
+                            "run the stage that writes it again")
     return np.asarray(table.column("id").to_pylist(), dtype=object), values_of(task, table)
 
 
@@ -89,6 +89,14 @@ def rejected_ids(rejects_file: Path | str, task: str, split: str) -> list[str]:
     path = Path(rejects_file)
     if not path.is_file():
         return []
-    rejects = pd.read_csv(path, sep="\t", dtype=str, keep_default_na=False)
+    remedy = "expected the rejects table `tokenize` writes: run `dvc repro tokenize` again"
+    try:
+        rejects = pd.read_csv(path, sep="\t", dtype=str, keep_default_na=False)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
+        raise UnreadableInputError(f"{path}: not a readable TSV table ({' '.join(str(error).split())}); "
+                                   f"{remedy}") from error
+    missing = [column for column in ("task", "split", "id") if column not in rejects.columns]
+    if missing:
+        raise UnreadableInputError(f"{path}: has no column {missing[0]!r}; {remedy}")
     chosen = rejects[(rejects["task"] == task) & (rejects["split"] == split) & (rejects["id"] != "")]
     return chosen["id"].drop_duplicates().tolist()

@@ -45,8 +45,8 @@ def _cell(spread: dict, seeds: int) -> str:
 
 
 def results_table(stats: dict, ensemble: dict) -> str:
-    """Markdown: per seed group the single models (mean ± std, the epochs kept), then the ensemble, chosen
-    on dev and its honest split-half estimate, for every method."""
+    """Markdown: per seed group the single models (mean ± std, the epochs kept; a group of distilled students
+    says so), then the ensemble, chosen on dev and its honest split-half estimate, for every method."""
     tasks = stats["tasks"]
     header = " | ".join(f"{name} {metric}" for name, metric in tasks.items())
     lines = [f"| model | {header} | overall |", "|---|" + "---|" * (len(tasks) + 1)]
@@ -55,7 +55,9 @@ def results_table(stats: dict, ensemble: dict) -> str:
         cells = " | ".join(_cell(entry["dev"][name][metric], seeds) for name, metric in tasks.items())
         epochs = ", ".join(f"{name} {_epochs(entry['epochs'][name])}" for name in tasks)
         spread = "mean ± std" if seeds > 1 else "no seed spread"
-        lines.append(f"| `{group}`: {seeds} seed(s), single model, {spread} "
+        model = (f"student of the ensemble (configuration of `{entry['student_of']}`)" if "student_of" in entry
+                 else "single model")
+        lines.append(f"| `{group}`: {seeds} seed(s), {model}, {spread} "
                      f"(epochs kept: {epochs}) | {cells} | {_cell(entry['dev']['overall'], seeds)} |")
     cells = " | ".join(f"{ensemble[name][metric]:.3f}" for name, metric in tasks.items())
     lines.append(f"| ensemble `{ensemble['method']}` (default), chosen on dev | {cells} | {ensemble['overall']:.3f} |")

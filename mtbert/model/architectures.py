@@ -100,10 +100,11 @@ class TaskEncoders(nn.Module):
         for name, encoder in self.extra_encoders().items():
             encoder.save_pretrained(directory / name, safe_serialization=True)
 
-    def load_extra(self, directory: Path) -> None:
-        """Weights of the other encoders from their folders (the structure comes from the constructor)."""
-        from transformers import AutoModel
+    def load_extra(self, directory: Path, remedy: str) -> None:
+        """Weights of the other encoders from their folders (the structure comes from the constructor); a
+        folder cut short or damaged is one line naming the file, ending with `remedy`."""
+        from mtbert.model.files import load_local_encoder
 
         for name, encoder in self.extra_encoders().items():
-            saved = AutoModel.from_pretrained(directory / name)
+            saved = load_local_encoder(directory / name, remedy)
             encoder.load_state_dict(saved.state_dict())

@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
-import json
 import logging
 from pathlib import Path
 
+from mtbert import io
+from mtbert.model.files import check_weights_folder, load_local_encoder, load_local_tokenizer
 from mtbert.runtime import UserError
 
 log = logging.getLogger(__name__)
@@ -99,9 +100,13 @@ def not_found_error(name: str, cause: Exception) -> BackboneError:
 
 
 def load_tokenizer(name: str, **kwargs):
+    """The fast tokenizer of `name`; from a local folder (packaged, a backbone, a model folder's encoder),
+    its files are checked (mtbert/model/files.py)."""
     from transformers import AutoTokenizer
 
     source = resolve_backbone(name)
+    if Path(source).is_dir():
+        return load_local_tokenizer(Path(source), use_fast=True, **kwargs)
     try:
         return AutoTokenizer.from_pretrained(source, use_fast=True, **kwargs)
     except (OSError, ValueError) as error:
@@ -109,10 +114,13 @@ def load_tokenizer(name: str, **kwargs):
 
 
 def load_encoder(name: str, **kwargs):
-    """The bare encoder (no task head) with PyTorch's fused scaled-dot-product attention."""
+    """The bare encoder (no task head) with PyTorch's fused scaled-dot-product attention; from a local
+    folder, its files are checked (mtbert/model/files.py)."""
     from transformers import AutoModel
 
     source = resolve_backbone(name)
+    if Path(source).is_dir():
+        return load_local_encoder(Path(source), attn_implementation="sdpa", **kwargs)
     try:
         return AutoModel.from_pretrained(source, attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError) as error:
@@ -128,6 +136,8 @@ def load_masked_lm(name: str):
     from transformers import AutoModelForMaskedLM
 
     source = resolve_backbone(name)
+    if Path(source).is_dir():
+        check_weights_folder(Path(source))
     try:
         model, info = AutoModelForMaskedLM.from_pretrained(source, attn_implementation="sdpa",
                                                            output_loading_info=True)
@@ -149,7 +159,12 @@ def starting_point(backbone: str, pretrained: Path | None) -> str:
     provenance_file = pretrained / PROVENANCE_FILE
     if not provenance_file.is_file():
         raise BackboneError(f"{provenance_file} is missing; run `dvc repro pretrain` first")
-    source = json.loads(provenance_file.read_text(encoding="utf-8"))["backbone"]
+    provenance = io.read_json(provenance_file, "expected the provenance `pretrain` writes: run `dvc repro pretrain` "
+                              "again", BackboneError)
+    source = provenance.get("backbone") if isinstance(provenance, dict) else None
+    if not isinstance(source, str):
+        raise BackboneError(f"{provenance_file}: names no backbone (expected a 'backbone' key, as `pretrain` "
+                            "writes); run `dvc repro pretrain` again")
     if source != backbone:
         raise BackboneError(f"{pretrained} was made from {source!r} but this variant's model.name is {backbone!r}; "
                             "tokenize and pretrain use the shared model.name, so a variant cannot override it")

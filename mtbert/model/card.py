@@ -1,6 +1,7 @@
 """Model cards in the Hugging Face format (YAML metadata, then prose), written from the pipeline's own
-params and metrics: `README.md` in each `models/<variant>/` (by `train`) and in `data/ensemble/` (by
-`ensemble`). The metadata's `model-index` holds the dev metrics, so a hub or a script reads them back."""
+params and metrics: `README.md` in each `models/<variant>/` (by `train`), in each distilled student's
+`models/<student>/` (by `distill`) and in `data/ensemble/` (by `ensemble`). The metadata's `model-index`
+holds the dev metrics, so a hub or a script reads them back."""
 
 from __future__ import annotations
 
@@ -74,15 +75,18 @@ def limitations(params: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def variant_card(summary: dict, params: dict, tasks: dict[str, Task], path: str) -> str:
-    """A trained variant's card, from its training summary and merged params."""
+def variant_card(summary: dict, params: dict, tasks: dict[str, Task], path: str, *, title: str | None = None,
+                 notes: str = "") -> str:
+    """A trained variant's card, from its training summary and merged params; `title` and `notes` (a section
+    before the metrics) for a distilled student."""
     name, dev = summary["variant"], summary["dev"]
     train = params["train"]
     return (metadata(name, params, tasks, {task: dev[task] for task in tasks}) +
-            f"\n# mtbert variant `{name}`\n\n"
+            f"\n# {title or f'mtbert variant `{name}`'}\n\n"
             f"`{params['model']['name']}` fine-tuned jointly on {', '.join(tasks)} by the mtbert pipeline "
             f"(architecture `{params['model']['arch']}`, {summary['parameters']:,} parameters). Each task's "
             f"predictions come from the epoch where its dev metric was best (`train.select: {train['select']}`).\n\n"
+            + notes +
             "## Dev metrics\n\n" + metrics_table(tasks, dev, summary["task_epochs"]) +
             f"\nOverall (mean of the headline metrics): {dev['overall']:.4f}.\n\n"
             "## Training\n\n"
@@ -99,6 +103,20 @@ def variant_card(summary: dict, params: dict, tasks: dict[str, Task], path: str)
             "\nEach `epoch-<E>/encoder/` is a plain `save_pretrained` folder: `AutoModel.from_pretrained` loads "
             "the encoder alone; the heads need this project's code.\n\n"
             "## Limitations\n\n" + limitations(params))
+
+
+def student_card(summary: dict, params: dict, tasks: dict[str, Task], path: str, distill: dict) -> str:
+    """A distilled student's card: a variant's, with what taught it (`distill`: the stage's record of the
+    configuration, the blend and each task's teacher members)."""
+    members = "\n".join(f"- {name}: " + ", ".join(f"`{m}` ×{n}" for m, n in distill["members"][name].items())
+                        for name in tasks)
+    notes = ("## Distillation\n\n"
+             f"A student of the mtbert ensemble, with the configuration of variant `{distill['variant']}` (seed "
+             f"{params['train']['seed']}), trained on the training split with each row's loss blended from the "
+             f"ensemble's prediction of it (weight α = {distill['alpha']}; classes at temperature "
+             f"T = {distill['temperature']}) and its gold label (1 − α). The teacher's members per task:\n\n"
+             f"{members}\n\n")
+    return variant_card(summary, params, tasks, path, title=f"mtbert student `{summary['variant']}`", notes=notes)
 
 
 def ensemble_card(report: dict, params: dict, tasks: dict[str, Task], path: str) -> str:

@@ -8,7 +8,7 @@ from torch import nn
 
 from mtbert.data.tasks import Task
 from mtbert.model.architectures import TaskEncoders
-from mtbert.model.heads import CosineHead, MLPHead
+from mtbert.model.heads import CosineHead, MLPHead, RoutedHead, VectorRouting, is_cosine
 from mtbert.model.pooling import pool
 from mtbert.params import HeadParams
 
@@ -57,14 +57,26 @@ class MultitaskModel(nn.Module):
 
     @staticmethod
     def _make_head(task: Task, params: HeadParams, dim: int, width: int) -> nn.Module:
+        if params.pooling == "routing":  # the routed vectors, flattened, go straight to the output layer
+            router = VectorRouting(width * dim, params.routing_vectors, params.routing_dim, params.routing_iters)
+            routed = params.routing_vectors * params.routing_dim
+            return RoutedHead(router, MultitaskModel._output_head(task, params, routed, routed, hidden_layers=0))
+        return MultitaskModel._output_head(task, params, width * dim, dim, params.hidden_layers)
+
+    @staticmethod
+    def _output_head(task: Task, params: HeadParams, in_dim: int, hidden_dim: int, hidden_layers: int) -> nn.Module:
+        """What follows the sentence embedding(s) of in_dim: the cosine head, or an MLP (of both sentences'
+        features for a bi-encoder)."""
         out_dim = task.kind.output_size
         if params.is_bi:
             if params.combine == "cosine":
                 return CosineHead(affine=task.kind.cosine_affine)
-            return MLPHead(4 * width * dim, dim, out_dim, params.hidden_layers, params.dropout)
-        return MLPHead(width * dim, dim, out_dim, params.hidden_layers, params.dropout)
+            return MLPHead(4 * in_dim, hidden_dim, out_dim, hidden_layers, params.dropout)
+        return MLPHead(in_dim, hidden_dim, out_dim, hidden_layers, params.dropout)
 
     def embed(self, task: str, input_ids, attention_mask, pooling: str, token_type_ids=None) -> torch.Tensor:
+        if pooling == "routing":
+            return self._route(task, input_ids, attention_mask, token_type_ids)
         pooled = []
         for encoder in self.encoders.for_task(task):
             output = encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
@@ -72,16 +84,23 @@ class MultitaskModel(nn.Module):
                                getattr(output, "pooler_output", None)))
         return pooled[0] if len(pooled) == 1 else torch.cat(pooled, -1)
 
+    def _route(self, task: str, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
+        """The token vectors of the task's encoder(s), side by side, routed by its head: (B, n_out * d_out)."""
+        states = [encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+                  .last_hidden_state for encoder in self.encoders.for_task(task)]
+        return self.heads[task].pool(torch.cat(states, -1), attention_mask)
+
     def forward(self, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         params = self.head_params[task]
         head = self.heads[task]
+        cosine = is_cosine(head)
         if params.is_bi:
             u, v = self._embed_pair(task, batch, params.pooling)
-            out = head(u, v) if isinstance(head, CosineHead) else head(torch.cat([u, v, (u - v).abs(), u * v], -1))
+            out = head(u, v) if cosine else head(torch.cat([u, v, (u - v).abs(), u * v], -1))
         else:
             out = head(self.embed(task, batch["input_ids"], batch["attention_mask"], params.pooling,
                                   batch.get("token_type_ids")))
-        return self.tasks[task].kind.head_output(out, params, isinstance(head, CosineHead))
+        return self.tasks[task].kind.head_output(out, params, cosine)
 
     def _embed_pair(self, task: str, batch, pooling: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Both sentences through the encoder in one call of 2B rows."""

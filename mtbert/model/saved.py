@@ -8,6 +8,8 @@ A trained variant (`models/<variant>/`) keeps each task at the epoch it chose: `
 `task_epochs` (task -> epoch) and one snapshot folder `epoch-<E>/` per distinct chosen epoch. Where tasks
 share layers (every arch but `independent`), each task needs the shared layers of its own epoch, so a
 snapshot is kept whole. Folders are written beside their place and swapped in, never half-written.
+Loading checks every file before the libraries read it (mtbert/model/files.py): one cut short, damaged or
+not what `train` wrote is one line naming it.
 """
 
 from __future__ import annotations
@@ -16,23 +18,21 @@ import json
 import shutil
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from mtbert import io
 from mtbert.model.architectures import SHARED_DIR
 from mtbert.model.card import CARD_FILE
+from mtbert.model.files import ModelFolderError, load_local_encoder, load_safetensors
 from mtbert.model.multitask import MultitaskModel
-from mtbert.runtime import UserError
 
 CONFIG_FILE = "mtbert.json"
 HEADS_FILE = "heads.safetensors"
 # The layout of a variant's folder; 2: per-task epochs in epoch-<E>/ snapshot folders.
 MODEL_FORMAT = 2
-
-
-class ModelFolderError(UserError, ValueError):
-    """A model folder is missing, incomplete, or was not written by this project's `train`."""
+# What to do about a model folder whose file is cut short or damaged.
+RESTORE_OR_RETRAIN = "restore the folder (`dvc checkout`) or retrain the variant (`dvc repro train@<variant>`)"
 
 
 def save_model(model: MultitaskModel, tokenizer, out_dir: Path, config: dict) -> None:
@@ -113,20 +113,15 @@ def read_config(config_path: Path) -> dict:
     if not config_path.is_file():
         raise ModelFolderError(f"{config_path} is missing; expected a model folder written by `train` "
                                "(run `dvc repro train@<variant>`)")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except ValueError:
-        config = None
+    expected = "not an mtbert model config (expected JSON with a 'params' section, as `train` writes)"
+    config = io.read_json(config_path, expected, ModelFolderError)
     if not isinstance(config, dict) or not isinstance(config.get("params"), dict):
-        raise ModelFolderError(f"{config_path}: not an mtbert model config (expected JSON with a 'params' "
-                               "section, as `train` writes)")
+        raise ModelFolderError(f"{config_path}: {expected}")
     return config
 
 
 def load_snapshot(model_dir: Path) -> tuple[MultitaskModel, dict]:
     """One snapshot folder back as a MultitaskModel (in eval mode), with its saved config."""
-    from transformers import AutoModel
-
     from mtbert.data.tasks import tasks_from_params
     from mtbert.params import ModelSpec, ParamsError, parse_section
 
@@ -146,9 +141,20 @@ def load_snapshot(model_dir: Path) -> tuple[MultitaskModel, dict]:
                              source=str(config_path))
     except ParamsError as error:
         raise ModelFolderError(f"{error} (a model folder from another version of mtbert? retrain it)") from None
-    encoder = AutoModel.from_pretrained(model_dir / SHARED_DIR, attn_implementation="sdpa")
+    encoder = load_local_encoder(model_dir / SHARED_DIR, RESTORE_OR_RETRAIN, attn_implementation="sdpa")
     model = MultitaskModel(encoder, tasks_from_params(spec.tasks), spec.heads,
                            saved.get("model", {}).get("arch", "shared"), saved.get("model", {}).get("task_layers", 0))
-    model.encoders.load_extra(model_dir)
-    model.heads.load_state_dict(load_file(str(model_dir / HEADS_FILE)))
+    model.encoders.load_extra(model_dir, RESTORE_OR_RETRAIN)
+    load_heads(model, model_dir / HEADS_FILE, config_path)
     return model.eval(), config
+
+
+def load_heads(model: MultitaskModel, heads_path: Path, config_path: Path) -> None:
+    """The heads' weights, which must be those of the heads mtbert.json declares."""
+    heads = load_safetensors(heads_path, RESTORE_OR_RETRAIN)
+    try:
+        model.heads.load_state_dict(heads)
+    except RuntimeError as error:  # missing, unexpected or misshapen weights
+        detail = " ".join(str(error).split())
+        raise ModelFolderError(f"{heads_path}: not the heads {config_path.name} declares ({detail[:300]}); "
+                               f"{RESTORE_OR_RETRAIN}") from None

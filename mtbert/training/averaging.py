@@ -5,19 +5,38 @@ does the bookkeeping (a frozen deep copy of the model, a fused lerp over its par
 copies the weights, so the average starts as the model. Two users: `train.ema`, where the average is the
 model that is evaluated and kept (Polyak averaging), and SMART's Bregman teacher (training/smart.py).
 `NoAverage` stands in when `train.ema` is 0: its model is the trained model itself.
+
+`train.ema` debiases its average the way Adam debiases its moments: after t updates the average is
+sum_i d^(t-i) theta_i / sum_i d^(t-i) over the trained weights theta_1..theta_t, so the starting weights
+drop out. Without it a short run (95 updates at decay 0.998) reports mostly the untrained weights
+(0.998^95 = 83% of them); after a full default run (2,688 updates) they weigh 0.998^2688 = 0.5%, which
+the debiased average spreads over the trained weights instead. The teacher keeps its starting point:
+SMART's Bregman term pulls towards the past iterates, the pretrained weights among them.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+
+def debiased_ema(decay: float):
+    """AveragedModel's multi_avg_fn for the debiased average: update t lerps by (1 - d) / (1 - d^t),
+    1 at the first update (the average becomes the trained weights) and towards 1 - d after ~1/(1 - d)."""
+    @torch.no_grad()
+    def update(averaged: list[torch.Tensor], current: list[torch.Tensor], updates: torch.Tensor) -> None:
+        updates_so_far = int(updates)  # AveragedModel counts the copy it starts with as its first
+        torch._foreach_lerp_(averaged, current, (1 - decay) / (1 - decay ** updates_so_far))
+    return update
 
 
 class MovingAverage:
     separate = True  # the averaged model is a copy, evaluated beside the raw weights
 
-    def __init__(self, model: nn.Module, decay: float):
-        self.averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
+    def __init__(self, model: nn.Module, decay: float, debiased: bool = False):
+        average = debiased_ema(decay) if debiased else get_ema_multi_avg_fn(decay)
+        self.averaged = AveragedModel(model, multi_avg_fn=average)
         self.averaged.requires_grad_(False)
         self.averaged.update_parameters(model)
 
@@ -54,4 +73,4 @@ class NoAverage:
 
 
 def weight_average(model: nn.Module, decay: float) -> MovingAverage | NoAverage:
-    return MovingAverage(model, decay) if decay > 0 else NoAverage(model)
+    return MovingAverage(model, decay, debiased=True) if decay > 0 else NoAverage(model)

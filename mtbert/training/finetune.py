@@ -32,9 +32,9 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from mtbert import io
-from mtbert.data.batches import TaskSplit, load_split
+from mtbert.data.batches import TaskSplit, load_split, tokenized_input
 from mtbert.data.sampling import TaskStream, epoch_schedule
-from mtbert.data.tasks import Task, tasks_from_params, tokenized_path
+from mtbert.data.tasks import Task, tasks_from_params
 from mtbert.evaluation.evaluate import evaluate, predict_split
 from mtbert.evaluation.metrics import headline_summary, overall, task_metrics
 from mtbert.evaluation.predictions import write_dump
@@ -45,11 +45,19 @@ from mtbert.model.saved import assemble_model, epoch_dir, save_model
 from mtbert.params import Params, TrainParams, as_dict
 from mtbert.runtime import open_live, use_bf16
 from mtbert.training.averaging import MovingAverage, NoAverage, weight_average
-from mtbert.training.checkpoint import every_rank, load_checkpoint, restore, save_checkpoint
+from mtbert.training.checkpoint import (
+    discard_checkpoints,
+    every_rank,
+    load_checkpoint,
+    remove_checkpoint_folder,
+    restore,
+    save_checkpoint,
+)
+from mtbert.training.distillation import Distillation
 from mtbert.training.distributed import Ranks, broadcast, shard, sync_parameters
 from mtbert.training.gradients import PCGradGradients, PlainGradients, gradient_rule
 from mtbert.training.loop import Paths, Stopwatch, check_finite, optimizer_step, speed, trainable
-from mtbert.training.objective import BatchLoss, Objective
+from mtbert.training.objective import BatchLoss, Objective, gold_loss
 from mtbert.training.optim import make_optimizer
 from mtbert.training.selection import chosen_epochs, chosen_metrics
 
@@ -152,9 +160,10 @@ class FineTuning:
 
 # --- building it --------------------------------------------------------------------------------------
 def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: torch.device,
-            fingerprint: str) -> FineTuning:
+            fingerprint: str, distillation: Distillation | None = None) -> FineTuning:
     """The model, data, optimiser and step pieces of one variant. Torch must be seeded already (the heads
-    start random)."""
+    start random). With `distillation` it is a student's: each training row carries the teacher's prediction,
+    and the task loss blends it with the gold label (training/distillation.py)."""
     p = params.train
     bf16 = use_bf16(p.bf16, device)  # `auto` decided once, by the device
     log.info("bf16 autocast %s (bf16: %s on %s)", "on" if bf16 else "off", p.bf16, device.type)
@@ -165,6 +174,8 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
     sync_parameters(model, ranks)
     average = weight_average(model, p.ema)
     train_data = {name: load_split(paths.tokenized, task, "train", train_rows(p, name)) for name, task in tasks.items()}
+    if distillation is not None:
+        train_data = {name: distillation.taught(split) for name, split in train_data.items()}
     dev_data = {name: load_split(paths.tokenized, task, "dev", p.max_examples) for name, task in tasks.items()}
     # Snapshot dumps cover the whole dev and test splits, so the ensemble can align them with predict's.
     snapshot_data = {name: {"dev": dev_data[name] if not p.max_examples else load_split(paths.tokenized, task, "dev"),
@@ -176,7 +187,8 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
     steps = len(epoch_schedule_for(p, train_data, streams, 0))
     optimizer, scheduler = make_optimizer(model, model.encoder.config.num_hidden_layers, p,
                                           math.ceil(steps / p.grad_accum) * p.epochs)
-    objective = Objective(model, params.smart, device, bf16, p.seed)
+    objective = Objective(model, params.smart, device, bf16, p.seed,
+                          distillation.loss if distillation is not None else gold_loss)
     gradients = gradient_rule(p.gradient, trainable(model), ranks, device)  # after the optimiser froze LR-0 ones
     return FineTuning(params, variant, paths, fingerprint, ranks, device, bf16, tasks, load_tokenizer(start), model,
                       train_data, dev_data, snapshot_data, row_lengths, streams, optimizer, scheduler, objective,
@@ -210,7 +222,7 @@ def run_fingerprint(params: Params, tokenized_dir: Path, pretrained: Path | None
     digest.update(json.dumps({**relevant, "world_size": world_size}, sort_keys=True).encode())
     for task in params.tasks:
         for split in ("train", "dev", "test"):  # test: the snapshot dumps predict it
-            digest.update(tokenized_path(tokenized_dir, task, split).read_bytes())
+            digest.update(tokenized_input(tokenized_dir, task, split).read_bytes())
     for path in sorted(pretrained.glob("*.safetensors")) if pretrained is not None else []:
         digest.update(path.read_bytes())
     return digest.hexdigest()
@@ -228,17 +240,18 @@ def checkpoint(run: FineTuning, progress: Progress) -> None:
             average=run.average.state_dict(),  # the same on every rank, as the weights are
             ranks=every_rank({"objective": run.objective.state_dict()}, run.ranks))
         if run.ranks.is_main:
-            save_checkpoint(run.paths.checkpoint_file, state)
+            save_checkpoint(run.paths.checkpoints, state)
 
 
 def resume(run: FineTuning) -> Progress:
-    """The progress of this very run's last checkpoint, loaded into `run`; else a fresh start (clearing what
-    a killed run with other params or data may have left)."""
-    state = load_checkpoint(run.paths.checkpoint_file, FineTuningCheckpoint, Progress, run.fingerprint)
+    """The progress of this very run's newest whole checkpoint, loaded into `run`; else a fresh start (clearing
+    what a killed run with other params or data may have left)."""
+    state = load_checkpoint(run.paths.checkpoints, FineTuningCheckpoint, Progress, run.fingerprint, run.ranks)
     if state is None:
         if run.ranks.is_main:
             for leftover in (run.saved_epochs, run.snapshot_dumps):
                 shutil.rmtree(leftover, ignore_errors=True)
+            discard_checkpoints(run.paths.checkpoints)
         return Progress.start(run.tasks)
     own = restore(state, run.model, run.optimizer, run.scheduler, run.ranks)
     run.objective.load_state_dict(own["objective"])
@@ -259,10 +272,27 @@ def train(run: FineTuning, progress: Progress) -> dict:
              run.variant, run.params.model.arch, run.steps_per_epoch, p.epochs, p.sampler, p.gradient,
              f"{parameter_count(run.model):,}", run.ranks.world_size)
     while progress.epoch < p.epochs:
-        epoch_steps = schedule(run, progress.epoch)
-        run.model.train()
-        bar = tqdm(total=len(epoch_steps), initial=progress.step_in_epoch, desc=f"epoch {progress.epoch + 1}",
-                   unit="step", mininterval=2.0, disable=not run.ranks.is_main)
+        train_epoch(run, progress)
+        end_epoch(run, progress, live)
+    if live is not None:
+        live.end()
+    result = summary(run, progress)
+    if run.ranks.is_main:
+        publish(run, result)
+        io.write_metrics(run.paths.metrics_out, result)
+        remove_checkpoint_folder(run.paths.checkpoints)  # the run is complete
+    return result
+
+
+def train_epoch(run: FineTuning, progress: Progress) -> None:
+    """The epoch's steps from wherever `progress` is: an update every grad_accum steps, a checkpoint every
+    runtime.checkpoint_every.train updates (the epoch's end has its own, after the dev evaluation)."""
+    p = run.p
+    epoch_steps = schedule(run, progress.epoch)
+    run.model.train()
+    # a context, so that an error closes the bar first and the error's one line does not run into it
+    with tqdm(total=len(epoch_steps), initial=progress.step_in_epoch, desc=f"epoch {progress.epoch + 1}",
+              unit="step", mininterval=2.0, disable=not run.ranks.is_main) as bar:
         run.stopwatch.start()
         while progress.step_in_epoch < len(epoch_steps):
             step(run, progress, epoch_steps[progress.step_in_epoch])
@@ -273,17 +303,7 @@ def train(run: FineTuning, progress: Progress) -> dict:
                 if (progress.updates % run.params.runtime.checkpoint_every.train == 0
                         and progress.step_in_epoch < len(epoch_steps)):
                     checkpoint(run, progress)
-        bar.close()
         run.stopwatch.stop()
-        end_epoch(run, progress, live)
-    if live is not None:
-        live.end()
-    result = summary(run, progress)
-    if run.ranks.is_main:
-        publish(run, result)
-        io.write_metrics(run.paths.metrics_out, result)
-        shutil.rmtree(run.paths.checkpoints, ignore_errors=True)  # the run is complete
-    return result
 
 
 def step(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> None:

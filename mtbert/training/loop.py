@@ -29,10 +29,6 @@ class Paths:
     pretrained: Path | None = None  # fine-tuning: the `pretrain` stage's output; None starts from model.name
     snapshots: Path | None = None  # fine-tuning: where each epoch's dev and test prediction dumps go
 
-    @property
-    def checkpoint_file(self) -> Path:
-        return self.checkpoints / "last.pt"
-
 
 class Stopwatch:
     """Seconds spent training, excluding evaluation and checkpoint writes (run inside `paused()`)."""

@@ -28,14 +28,21 @@ import torch
 from tqdm.auto import tqdm
 
 from mtbert import io
-from mtbert.data.batches import TokenColumn, eval_batches, load_split
+from mtbert.data.batches import TokenColumn, eval_batches, load_split, tokenized_input
 from mtbert.data.masking import IGNORE_INDEX, MaskingVocab, mask_tokens
 from mtbert.data.sampling import TaskStream
-from mtbert.data.tasks import tasks_from_params, tokenized_path
+from mtbert.data.tasks import tasks_from_params
 from mtbert.model.backbone import PROVENANCE_FILE, load_encoder, load_masked_lm, load_tokenizer
 from mtbert.params import Params, PretrainParams, as_dict
 from mtbert.runtime import open_live, use_bf16
-from mtbert.training.checkpoint import every_rank, load_checkpoint, restore, save_checkpoint
+from mtbert.training.checkpoint import (
+    discard_checkpoints,
+    every_rank,
+    load_checkpoint,
+    remove_checkpoint_folder,
+    restore,
+    save_checkpoint,
+)
 from mtbert.training.distributed import Ranks, average_tensor, broadcast, shard, sync_parameters
 from mtbert.training.loop import Paths, Stopwatch, check_finite, optimizer_step, speed
 from mtbert.training.optim import LayerwiseLR, layerwise_optimizer
@@ -195,13 +202,15 @@ def checkpoint(run: MaskedLM, progress: Progress) -> None:
                                    stream=run.stream.state(),
                                    ranks=every_rank({"generator": run.generator.get_state()}, run.ranks))
         if run.ranks.is_main:
-            save_checkpoint(run.paths.checkpoint_file, state)
+            save_checkpoint(run.paths.checkpoints, state)
 
 
 def resume(run: MaskedLM) -> Progress:
-    """The progress of this very run's last checkpoint, loaded into `run`; else a fresh start."""
-    state = load_checkpoint(run.paths.checkpoint_file, MaskedLMCheckpoint, Progress, run.fingerprint)
+    """The progress of this very run's newest whole checkpoint, loaded into `run`; else a fresh start."""
+    state = load_checkpoint(run.paths.checkpoints, MaskedLMCheckpoint, Progress, run.fingerprint, run.ranks)
     if state is None:
+        if run.ranks.is_main:
+            discard_checkpoints(run.paths.checkpoints)
         return Progress.start()
     own = restore(state, run.model, run.optimizer, run.scheduler, run.ranks)
     run.generator.set_state(own["generator"])
@@ -221,29 +230,28 @@ def train(run: MaskedLM, progress: Progress, stop_after: int | None = None) -> d
     live = open_live(run.paths.live_dir, progress.history, log_record) if run.ranks.is_main else None
     if not progress.history:
         evaluate(run, progress, live)  # step 0: the backbone (and a fresh head) before any training
-    bar = tqdm(total=p.steps, initial=progress.step, desc="masked-LM", unit="step", mininterval=2.0,
-               disable=not run.ranks.is_main)
-    run.stopwatch.start()
-    while progress.step < p.steps:
-        train_step(run, progress)
-        bar.update(1)
-        if progress.step % p.eval_every == 0 or progress.step == p.steps:
-            with run.stopwatch.paused():
-                evaluate(run, progress, live)
-        if progress.step % run.params.runtime.checkpoint_every.pretrain == 0 and progress.step < p.steps:
-            checkpoint(run, progress)
-            if stop_after is not None and progress.step >= stop_after:
-                bar.close()
-                return None
-    run.stopwatch.stop()
-    bar.close()
+    # a context, so that an error closes the bar first and the error's one line does not run into it
+    with tqdm(total=p.steps, initial=progress.step, desc="masked-LM", unit="step", mininterval=2.0,
+              disable=not run.ranks.is_main) as bar:
+        run.stopwatch.start()
+        while progress.step < p.steps:
+            train_step(run, progress)
+            bar.update(1)
+            if progress.step % p.eval_every == 0 or progress.step == p.steps:
+                with run.stopwatch.paused():
+                    evaluate(run, progress, live)
+            if progress.step % run.params.runtime.checkpoint_every.pretrain == 0 and progress.step < p.steps:
+                checkpoint(run, progress)
+                if stop_after is not None and progress.step >= stop_after:
+                    return None
+        run.stopwatch.stop()
     if live is not None:
         live.end()
     result = summary(run, progress)
     if run.ranks.is_main:
         save_trained_encoder(run)
         io.write_metrics(run.paths.metrics_out, result)
-        shutil.rmtree(run.paths.checkpoints, ignore_errors=True)  # the run is complete
+        remove_checkpoint_folder(run.paths.checkpoints)  # the run is complete
     return result if run.ranks.is_main else {}
 
 
@@ -369,5 +377,5 @@ def run_fingerprint(params: Params, tokenized_dir: Path, world_size: int = 1) ->
                                         "world_size": world_size}, sort_keys=True).encode())
     for task in params.tasks:
         for split in sorted(set(params.pretrain.corpus) | {"dev"}):
-            digest.update(tokenized_path(tokenized_dir, task, split).read_bytes())
+            digest.update(tokenized_input(tokenized_dir, task, split).read_bytes())
     return digest.hexdigest()

@@ -3,7 +3,8 @@
 total = loss_weight * (task loss + sum over terms of weight(task) * term), the terms being SMART's
 adversarial term (weight lambda of the task) and the Bregman teacher's (weight mu). The terms are chosen
 once, from smart.*: with smart.lambda = 0 (and no task override above 0) and smart.mu = 0 there are none,
-and nothing beyond the task loss is computed.
+and nothing beyond the task loss is computed. The task loss is the gold labels' (`gold_loss`), or for a
+distilled student its blend with the teacher's (mtbert/training/distillation.py).
 """
 
 from __future__ import annotations
@@ -81,9 +82,16 @@ class BregmanTerm:
         self.teacher.load_state_dict(state)
 
 
+def gold_loss(model: MultitaskModel, task: str, outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The task's loss against the gold labels (cross-entropy, BCE with logits or MSE, by kind)."""
+    return model.loss(task, outputs, batch["labels"])
+
+
 class Objective:
-    def __init__(self, model: MultitaskModel, params: SmartParams, device: torch.device, bf16: bool, seed: int):
+    def __init__(self, model: MultitaskModel, params: SmartParams, device: torch.device, bf16: bool, seed: int,
+                 task_loss=gold_loss):
         self.params, self.device, self.bf16 = params, device, bf16
+        self.task_loss = task_loss  # (model, task, outputs, batch) -> the batch-mean task loss
         uses_smart = any(params.task_weight(task) > 0 for task in model.tasks)
         site = functools.partial(model.perturbation_site, where=params.perturb)
         self.smart = Smart(params, site, device, seed) if uses_smart else None
@@ -98,7 +106,7 @@ class Objective:
     def __call__(self, model: MultitaskModel, task: str, batch: dict[str, torch.Tensor]) -> BatchLoss:
         replay = RngReplay(self.device)  # before the clean pass draws its dropout masks
         outputs = self.forward(model, task, batch)
-        loss = model.loss(task, outputs, batch["labels"])
+        loss = self.task_loss(model, task, outputs, batch)
         result = BatchLoss(total=loss, task_loss=loss.item())
         terms = [term for term in self.terms if term.weight(task) > 0]
         if terms:

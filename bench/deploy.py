@@ -1,0 +1,292 @@
+"""Speed of the deployed model (figure 8 of `python -m bench`; alone: `python -m bench.deploy`), every
+engine measured in the same run:
+
+- cold start of a `mtbert predict` call: a fresh process, from its start to its first result on stdout,
+  on the export (its default engine: no torch) and on the trained folder (PyTorch, today's path), the
+  median of a few calls each;
+- one sentence's latency (p50, p95) and batched sentences/s from raw dev text, for PyTorch (the engine of
+  `mtbert predict` on a trained folder, fp32), ONNX fp32 and ONNX int8, alternating call by call and round
+  by round so a change in the machine's speed hits all alike;
+- a bounded load test of `mtbert serve` on loopback: a fixed number of concurrent clients each sending a
+  fixed number of one-sentence requests, then the server is stopped: p50 and p99 latency, requests/s, and
+  every response counted by status (or the client error that replaced it).
+
+int8's dev metrics against fp32's are the export's own measurement (metrics/export/<variant>.json), shown
+beside these when it is there. Needs models/<variant> and exports/<variant> (`dvc repro export@<variant>`)
+and data/tokenized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import typer
+
+from mtbert.data.tasks import tokenized_path
+
+TARGETS = {"cold_start_seconds": 1.5, "single_sentence_p50_ms": 5.0, "batched_speedup": 2.0}
+app = typer.Typer(add_completion=False)
+
+
+# --- the engines in this process ---------------------------------------------------------------------
+def engines(model_dir: Path, export_dir: Path, threads: int, batch_size: int) -> dict:
+    """PyTorch on the trained folder, and each graph the export has, all with the same threads and batch."""
+    from mtbert.deploy.engine import OnnxPredictor
+    from mtbert.deploy.predictors import load_predictor
+
+    found = {"torch": load_predictor(model=model_dir, ensemble=None, models_dir=model_dir.parent, engine="torch",
+                                     batch_size=batch_size, threads=threads)}
+    onnx = OnnxPredictor.load(export_dir, engine="onnx", batch_size=batch_size, threads=threads)
+    found["onnx"] = onnx
+    if all("int8" in task.graphs for task in onnx.tasks.values()):
+        found["int8"] = OnnxPredictor.load(export_dir, engine="int8", batch_size=batch_size, threads=threads)
+    for predictor in found.values():
+        if hasattr(predictor, "warm"):
+            predictor.warm()
+    return found
+
+
+def dev_texts(tokenized_dir: Path, tasks: dict, rows: int) -> dict[str, list[tuple[str, ...]]]:
+    """The first `rows` texts of each task's dev split (the tokenized split keeps them beside the ids)."""
+    texts = {}
+    for name, task in tasks.items():
+        table = pq.read_table(tokenized_path(tokenized_dir, name, "dev")).slice(0, rows)
+        texts[name] = list(zip(*(table.column(c).to_pylist() for c in task.text_columns), strict=True))
+    return texts
+
+
+def single_sentence_ms(predictors: dict, task: str, sentences: list[tuple[str, ...]], calls: int) -> dict:
+    """p50 and p95 of one sentence's predict() per engine, the engines taking turns call by call."""
+    latencies: dict[str, list[float]] = {name: [] for name in predictors}
+    for index in range(calls + 1):  # the first call of each is a warm-up
+        for name, predictor in predictors.items():
+            started = time.perf_counter()
+            predictor.predict(task, [sentences[index % len(sentences)]])
+            if index:
+                latencies[name].append(1000 * (time.perf_counter() - started))
+    return {name: {"p50": round(float(np.percentile(values, 50)), 3), "p95": round(float(np.percentile(values, 95)), 3)}
+            for name, values in latencies.items()}
+
+
+def batched_rates(predictors: dict, texts: dict[str, list], rounds: int) -> dict:
+    """Sentences (or pairs) per second from raw text over every task's dev rows, per engine, alternating."""
+    seconds = dict.fromkeys(predictors, 0.0)
+    for _ in range(rounds):
+        for name, predictor in predictors.items():
+            started = time.perf_counter()
+            for task, rows in texts.items():
+                predictor.values(task, rows)
+            seconds[name] += time.perf_counter() - started
+    count = rounds * sum(len(rows) for rows in texts.values())
+    return {name: round(count / elapsed, 1) for name, elapsed in seconds.items()}
+
+
+# --- fresh processes ---------------------------------------------------------------------------------
+def cold_start_seconds(folder: Path, task: str, sentence: str, threads: int, runs: int) -> float:
+    """Median seconds from starting `mtbert predict` to its first line on stdout."""
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        process = subprocess.Popen([sys.executable, "-m", "mtbert.cli", "predict", "--model", str(folder), "--task",
+                                    task, "--threads", str(threads), sentence], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        first = process.stdout.readline()
+        elapsed = time.perf_counter() - started
+        _, errors = process.communicate()
+        if process.returncode != 0 or not first:
+            raise RuntimeError(f"mtbert predict --model {folder} failed: {errors.strip()}")
+        times.append(elapsed)
+    return round(statistics.median(times), 3)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server(log: Path, *arguments, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """`mtbert serve` on a free loopback port (its stderr to `log`), once /health answers: the process and
+    its base URL."""
+    import httpx
+
+    port = free_port()
+    with log.open("w") as stderr:  # a file, not a pipe: a pipe nobody reads could fill and block the server
+        process = subprocess.Popen([sys.executable, "-m", "mtbert.cli", "serve", "--host", "127.0.0.1", "--port",
+                                    str(port), *map(str, arguments)], stdout=subprocess.DEVNULL, stderr=stderr)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"mtbert serve exited: {log.read_text().strip()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+    stop_server(process)
+    raise RuntimeError(f"mtbert serve did not answer /health within {timeout:.0f} s")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def load_test(url: str, task: str, sentences: list[tuple[str, ...]], clients: int, requests: int,
+              timeout: float = 60) -> dict:
+    """`clients` concurrent clients, each sending `requests` one-text requests one after another; every
+    request ends as a status or a client error (a timeout, a refused connection), and all are counted."""
+    import httpx
+
+    outcomes: list[tuple[str, float]] = []
+
+    async def client(number: int, http: httpx.AsyncClient) -> None:
+        for index in range(requests):
+            text = sentences[(number * requests + index) % len(sentences)]
+            body = {"task": task, "texts": [text[0] if len(text) == 1 else list(text)]}
+            started = time.perf_counter()
+            try:
+                response = await http.post("/predict", json=body)
+                outcome = str(response.status_code)
+            except httpx.HTTPError as error:
+                outcome = type(error).__name__
+            outcomes.append((outcome, time.perf_counter() - started))
+
+    async def run() -> float:
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as http:
+            started = time.perf_counter()
+            await asyncio.gather(*(client(number, http) for number in range(clients)))
+            return time.perf_counter() - started
+
+    wall = asyncio.run(run())
+    ok = [1000 * seconds for outcome, seconds in outcomes if outcome == "200"]
+    counts = {outcome: sum(1 for o, _ in outcomes if o == outcome) for outcome in sorted({o for o, _ in outcomes})}
+    return {"clients": clients, "requests_per_client": requests, "sent": clients * requests,
+            "answered": counts, "accounted_for": sum(counts.values()) == clients * requests,
+            "latency_ms": {"p50": round(float(np.percentile(ok, 50)), 2) if ok else None,
+                           "p99": round(float(np.percentile(ok, 99)), 2) if ok else None},
+            "requests_per_second": round(len(ok) / wall, 1), "seconds": round(wall, 2)}
+
+
+def server_figures(export_dir: Path, task: str, sentences: list, clients: int, requests: int, workers: int,
+                   threads: int, scratch: Path) -> dict:
+    started = time.perf_counter()
+    process, url = start_server(scratch / "serve.log", "--model", export_dir, "--workers", workers,
+                                "--threads", threads)
+    ready = time.perf_counter() - started
+    try:
+        figures = load_test(url, task, sentences, clients, requests)
+    finally:
+        stop_server(process)
+    return {"workers": workers, "threads_per_worker": threads, "start_seconds": round(ready, 2), **figures}
+
+
+# --- the figure ----------------------------------------------------------------------------------------
+def deploy_figures(model_dir: Path, export_dir: Path, tokenized_dir: Path, *, threads: int, batch_size: int = 128,
+                   texts_per_task: int = 1000, single_calls: int = 200, rounds: int = 2, cold_starts: int = 3,
+                   clients: int = 8, requests: int = 50, workers: int = 1, export_metrics: Path | None = None,
+                   scratch: Path) -> dict:
+    predictors = engines(model_dir, export_dir, threads, batch_size)
+    tasks = predictors["torch"].tasks
+    texts = dev_texts(tokenized_dir, tasks, texts_per_task)
+    single = next(name for name, task in tasks.items() if len(task.text_columns) == 1)
+    print(f"  one sentence of {single}, {single_calls} calls per engine ...", flush=True)
+    figures: dict = {"engines": list(predictors), "threads": threads, "batch_size": batch_size,
+                     "single_sentence_ms": single_sentence_ms(predictors, single, texts[single], single_calls)}
+    print(f"  batched: {sum(map(len, texts.values()))} dev rows x {rounds} rounds per engine ...", flush=True)
+    rates = batched_rates(predictors, texts, rounds)
+    figures["sentences_per_second"] = rates
+    figures["speedup_over_torch"] = {name: round(rate / rates["torch"], 2) for name, rate in rates.items()
+                                     if name != "torch"}
+    del predictors
+    sentence = texts[single][0][0]
+    print(f"  cold start of mtbert predict, {cold_starts} calls each ...", flush=True)
+    figures["cold_start_seconds"] = {"export": cold_start_seconds(export_dir, single, sentence, threads, cold_starts),
+                                     "torch": cold_start_seconds(model_dir, single, sentence, threads, cold_starts)}
+    print(f"  mtbert serve under load: {clients} clients x {requests} requests ...", flush=True)
+    figures["server"] = server_figures(export_dir, single, texts[single], clients, requests, workers, threads,
+                                       scratch)
+    if export_metrics is not None and export_metrics.is_file():
+        report = json.loads(export_metrics.read_text(encoding="utf-8"))
+        figures["export"] = {key: report[key] for key in ("engine", "reason", "dev", "int8_drop") if key in report}
+    figures["targets"] = TARGETS
+    return figures
+
+
+def report(f: dict) -> None:
+    """Figure 8, as `python -m bench` prints it."""
+    ms, rates = f["single_sentence_ms"], f["sentences_per_second"]
+    cold, best = f["cold_start_seconds"], max(f["speedup_over_torch"].values())
+    print(f"8. deployment ({f['threads']} threads): cold start of mtbert predict {cold['export']:.2f} s on the export "
+          f"vs {cold['torch']:.2f} s on PyTorch {verdict(cold['export'], TARGETS['cold_start_seconds'], False)}")
+    for name in f["engines"]:
+        print(f"   {name:5s} one sentence p50 {ms[name]['p50']:.2f} ms, p95 {ms[name]['p95']:.2f} ms; "
+              f"batched {rates[name]} sentences/s" + (f" = {f['speedup_over_torch'][name]:.2f}x PyTorch"
+                                                       if name != "torch" else ""))
+    p50 = min(ms[name]["p50"] for name in f["engines"] if name != "torch")
+    print(f"   fastest ONNX one-sentence p50 {p50:.2f} ms {verdict(p50, TARGETS['single_sentence_p50_ms'], False)}; "
+          f"batched {best:.2f}x PyTorch {verdict(best, TARGETS['batched_speedup'], True)}")
+    s = f["server"]
+    print(f"   mtbert serve ({s['workers']} worker(s)): {s['sent']} requests from {s['clients']} clients, answered "
+          f"{s['answered']} (all accounted for: {s['accounted_for']}); p50 {s['latency_ms']['p50']} ms, "
+          f"p99 {s['latency_ms']['p99']} ms, {s['requests_per_second']} requests/s")
+    if "export" in f and "int8" in f["export"].get("dev", {}):
+        dev = f["export"]["dev"]
+        print(f"   int8 vs fp32 dev (the export's): overall {dev['int8']['overall']:.4f} vs "
+              f"{dev['onnx']['overall']:.4f}, drops {f['export']['int8_drop']}; default engine "
+              f"{f['export']['engine']}: {f['export']['reason']}")
+
+
+def verdict(value: float, target: float, higher_is_better: bool) -> str:
+    met = value >= target if higher_is_better else value <= target
+    return f"(target {'>=' if higher_is_better else '<='} {target}: {'met' if met else 'NOT met'})"
+
+
+@app.command()
+def main(variant: str = typer.Option("base"),
+         params_file: Path = typer.Option(Path("params.yaml")),
+         models_dir: Path = typer.Option(Path("models")),
+         exports_dir: Path = typer.Option(Path("exports")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         texts_per_task: int = typer.Option(1000, min=1, help="dev rows per task for the batched figure"),
+         single_calls: int = typer.Option(200, min=1, help="one-sentence calls per engine"),
+         rounds: int = typer.Option(2, min=1, help="batched rounds per engine"),
+         cold_starts: int = typer.Option(3, min=1, help="fresh `mtbert predict` processes per folder"),
+         clients: int = typer.Option(8, min=1, help="concurrent clients of the load test"),
+         requests: int = typer.Option(50, min=1, help="requests per client"),
+         workers: int = typer.Option(1, min=1, help="server processes"),
+         json_out: Path = typer.Option(Path("metrics/bench-deploy.json"))) -> None:
+    """Figure 8 alone: the deployed engines and the server (see the module docstring)."""
+    import tempfile
+
+    from mtbert import io
+    from mtbert.params import variant_params
+
+    params = variant_params(params_file, variant)
+    threads = params.runtime.threads
+    with tempfile.TemporaryDirectory() as scratch:
+        figures = deploy_figures(models_dir / variant, exports_dir / variant, tokenized_dir, threads=threads,
+                                 texts_per_task=texts_per_task, single_calls=single_calls, rounds=rounds,
+                                 cold_starts=cold_starts, clients=clients, requests=requests, workers=workers,
+                                 export_metrics=Path("metrics/export") / f"{variant}.json", scratch=Path(scratch))
+    report(figures)
+    io.write_json(json_out, figures)
+
+
+if __name__ == "__main__":
+    app()

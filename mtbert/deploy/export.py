@@ -1,0 +1,321 @@
+"""Export of a trained variant to ONNX (`mtbert export`, stage `export@<variant>`): per task a graph from
+token ids to the task's prediction, its int8 version, the tokenizer and a manifest.
+
+A task's graph is its whole path as `predict_split` runs it: its encoder (for CerBERTus the shared layers
+and the task's own, from the epoch the task kept), pooling, head and the kind's output (class
+probabilities, P(label 1), or the score); for a bi-encoder both sentences through the encoder and their
+combination. torch's own exporter writes it (`torch.onnx.export`, the torch.export-based one), with
+dynamic batch and sequence axes. ONNX Runtime then runs each graph, through the engine that deploys it
+(mtbert/deploy/engine.py), on the first `export.check_rows` dev rows beside PyTorch; a value that differs
+by more than `export.tolerance` fails the export, naming the task.
+
+With `export.int8`, ONNX Runtime's dynamic quantization writes int8 graphs (quantize.py). Both engines
+predict the whole dev split; their dev metrics go into the export's metrics, and int8 becomes the default
+engine only where no task's dev headline drops by more than `export.int8_max_drop` and it ran the timed
+dev rows faster than fp32 on this machine. The manifest (integrity.py) records the tasks, kinds, text
+columns, encoding, cleaning, truncation, default engine and each file's sha256.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io as text_io
+import logging
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from mtbert import io
+from mtbert.data.batches import TaskSplit, load_split
+from mtbert.data.rawdata import PTB_ESCAPES
+from mtbert.data.tasks import Task
+from mtbert.deploy.engine import EXPORT_FORMAT, OnnxPredictor, batch_feed, encode, load_tokenizer
+from mtbert.deploy.quantize import quantize
+from mtbert.evaluation.evaluate import predict_split
+from mtbert.evaluation.metrics import overall, task_metrics
+from mtbert.integrity import read_manifest, write_manifest
+from mtbert.model.architectures import SHARED_DIR
+from mtbert.model.backbone import load_tokenizer as load_hf_tokenizer
+from mtbert.model.saved import TaskSnapshots, epoch_dir, load_model
+from mtbert.params import ExportParams
+from mtbert.runtime import UserError
+
+log = logging.getLogger("export")
+
+TOKENIZER_FILE = "tokenizer.json"
+GRAPH_INPUTS = {"single": ("input_ids", "attention_mask", "token_type_ids"),
+                "cross": ("input_ids", "attention_mask", "token_type_ids"),
+                "bi": ("input_ids_1", "attention_mask_1", "input_ids_2", "attention_mask_2")}
+# Two rows of different lengths, so the traced graph pads and masks as real batches do.
+EXAMPLE_ROWS = [("A gorgeous, witty film that never slows down.", "A witty film."),
+                ("Dull.", "Far too long, and dull, with a plot that goes nowhere.")]
+CHECK_BATCH = 8  # rows per batch of the check against PyTorch: several batch widths
+TIMING_ROUNDS = 3  # fp32 and int8 alternate, so a change in the machine's speed hits both
+
+
+class ExportError(UserError, RuntimeError):
+    """An exported graph does not reproduce the PyTorch model."""
+
+
+class TaskGraph(nn.Module):
+    """A task of one sentence, or of a pair read as one sequence: token ids to the task's prediction."""
+
+    def __init__(self, model: nn.Module, task: str):
+        super().__init__()
+        self.model, self.task = model, task
+
+    def forward(self, input_ids, attention_mask, token_type_ids):
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+        return self.model.predictions(self.task, self.model(self.task, batch))
+
+
+class PairGraph(nn.Module):
+    """A bi-encoder's task: each sentence through the encoder, then the head's combination, as
+    MultitaskModel.forward's bi-encoder branch computes it. That branch runs both sentences as one batch and
+    cuts it with len(), which the exporter would freeze at the example's batch size; here each sentence
+    runs alone (rows never mix in an encoder, so the values are the same), each padded to its own width."""
+
+    def __init__(self, model: nn.Module, task: str):
+        super().__init__()
+        self.model, self.task = model, task
+
+    def forward(self, input_ids_1, attention_mask_1, input_ids_2, attention_mask_2):
+        model, task = self.model, self.task
+        params, head = model.head_params[task], model.heads[task]
+        u = model.embed(task, input_ids_1, attention_mask_1, params.pooling)
+        v = model.embed(task, input_ids_2, attention_mask_2, params.pooling)
+        cosine = params.combine == "cosine"  # the head is the cosine head (MultitaskModel builds it so)
+        out = head(u, v) if cosine else head(torch.cat([u, v, (u - v).abs(), u * v], -1))
+        return model.predictions(task, model.tasks[task].kind.head_output(out, params, cosine))
+
+
+def export_variant(model_dir: Path, out_dir: Path, options: ExportParams, tokenized_dir: Path,
+                   threads: int = 0) -> dict:
+    """Write the export of the variant in `model_dir` to `out_dir` (whole or not at all); its report, for
+    the metrics file."""
+    model, config = load_model(model_dir)
+    dev = {name: load_split(tokenized_dir, task, "dev") for name, task in model.tasks.items()}
+    with io.atomic_dir(out_dir) as temp:
+        manifest = write_fp32(model, model_dir, config, temp, options.opset)
+        parity = {name: check_parity(model, temp, name, dev[name], options, threads) for name in model.tasks}
+        engines = ["onnx", "int8"] if options.int8 else ["onnx"]
+        if options.int8:
+            write_int8(temp, manifest, options.int8_per_channel)
+        predictors = {engine: OnnxPredictor(temp, manifest, engine=engine, batch_size=options.batch_size,
+                                            threads=threads) for engine in engines}
+        report = measure(predictors, dev, model.tasks, options)
+        report["parity"] = {"tolerance": options.tolerance, "rows": min(options.check_rows, *map(len, dev.values())),
+                            "max_abs_difference": parity}
+        report["size_mb"] = {engine: graph_megabytes(temp, manifest["tasks"], engine) for engine in engines}
+        manifest["default_engine"] = report["engine"]
+        write_manifest(temp, manifest)
+    log.info("%s: default engine %s (%s)", out_dir, report["engine"], report["reason"])
+    return report
+
+
+def write_fp32(model: nn.Module, model_dir: Path, config: dict, folder: Path, opset: int) -> dict:
+    """The tokenizer, every task's fp32 graph and the manifest (fp32 the default engine, for now); the
+    manifest's contents."""
+    params = config["params"]
+    write_tokenizer(model_dir, config, folder / TOKENIZER_FILE)
+    tokenizer = load_tokenizer(folder / TOKENIZER_FILE, params["tokenize"]["max_length"])
+    entries = {}
+    for name, task in model.tasks.items():
+        encoding = encoding_of(model, name)
+        log.info("%s: exporting the %s graph", name, encoding)
+        export_graph(model, name, encoding, tokenizer, folder / f"{name}.onnx", opset)
+        entries[name] = task_entry(task, encoding, name in params["data"]["unescape_ptb"])
+    manifest = {"format": EXPORT_FORMAT,
+                "source": {"model": str(model_dir), "variant": config.get("variant"),
+                           "task_epochs": config.get("task_epochs")},
+                "max_length": params["tokenize"]["max_length"], "truncation": "longest_first",
+                "tokenizer": TOKENIZER_FILE, "opset": opset, "default_engine": "onnx", "tasks": entries}
+    write_manifest(folder, manifest)
+    return manifest
+
+
+def write_int8(folder: Path, manifest: dict, per_channel: bool) -> None:
+    """Every task's int8 graph beside its fp32 one, and the manifest listing them."""
+    for name, entry in manifest["tasks"].items():
+        log.info("%s: quantizing the graph to int8", name)
+        quantize(folder / entry["graphs"]["onnx"], folder / f"{name}.int8.onnx", per_channel=per_channel)
+        entry["graphs"]["int8"] = f"{name}.int8.onnx"
+    write_manifest(folder, manifest)
+
+
+def encoding_of(model: nn.Module, task: str) -> str:
+    """How the task reads its input: `single` (a sentence), `cross` (a pair as one sequence) or `bi`."""
+    if model.encoding(task) == "bi":
+        return "bi"
+    return "cross" if model.tasks[task].is_pair else "single"
+
+
+def write_tokenizer(model_dir: Path, config: dict, path: Path) -> None:
+    """The tokenizer saved with the model's encoder (the one `Predictor.load` uses) as one tokenizer.json,
+    without truncation or padding: the engine sets the pipeline's truncation from the manifest."""
+    from tokenizers import Tokenizer
+
+    folder = model_dir
+    if "task_epochs" in config:
+        folder = model_dir / epoch_dir(min(config["task_epochs"].values()))
+    backend = Tokenizer.from_str(load_hf_tokenizer(str(folder / SHARED_DIR)).backend_tokenizer.to_str())
+    backend.no_truncation()
+    backend.no_padding()
+    backend.save(str(path))
+
+
+def task_entry(task: Task, encoding: str, unescape_ptb: bool) -> dict:
+    """A task's manifest entry: what the engine needs to read its texts and describe its predictions."""
+    return {"kind": task.kind.name, "columns": task.kind.value_columns(), "text": list(task.text_columns),
+            "encoding": encoding, "inputs": list(GRAPH_INPUTS[encoding]), "output": "prediction",
+            "clean": {"strip": True, "replace": [list(pair) for pair in PTB_ESCAPES.items()] if unescape_ptb else []},
+            "graphs": {"onnx": f"{task.name}.onnx"}}
+
+
+def export_graph(model: nn.Module, task: str, encoding: str, tokenizer, path: Path, opset: int) -> None:
+    """The task's ONNX graph, batch and sequence axes dynamic, traced on EXAMPLE_ROWS."""
+    own = model.for_task(task) if isinstance(model, TaskSnapshots) else model
+    graph = (PairGraph if encoding == "bi" else TaskGraph)(own, task).eval()
+    names = GRAPH_INPUTS[encoding]
+    tokens = encode(tokenizer, encoding, EXAMPLE_ROWS)
+    feed = batch_feed(encoding, tokens, np.arange(len(EXAMPLE_ROWS)))
+    with quiet_exporter(), torch.no_grad():
+        torch.onnx.export(graph, tuple(torch.from_numpy(feed[name]) for name in names), str(path), dynamo=True,
+                          input_names=list(names), output_names=["prediction"], opset_version=opset,
+                          dynamic_shapes=dynamic_axes(names), external_data=False)
+
+
+def dynamic_axes(names: tuple[str, ...]) -> dict[str, dict]:
+    """Every input's batch axis (one for all) and sequence axis (a bi-encoder's two sentences each their own)."""
+    batch = torch.export.Dim("batch")
+    sequences = {side: torch.export.Dim(f"sequence{side}") for side in ("", "_1", "_2")}
+    return {name: {0: batch, 1: sequences[name[-2:] if name[-2:] in ("_1", "_2") else ""]} for name in names}
+
+
+@contextlib.contextmanager
+def quiet_exporter() -> Iterator[None]:
+    """The exporter prints its progress on stdout and warns about its own internals; the log says what is
+    being exported, and a failure still raises."""
+    printed = text_io.StringIO()
+    exporter_log = logging.getLogger("torch.onnx")  # e.g. that torchvision's operators are not registered
+    level = exporter_log.level
+    exporter_log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(printed), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        exporter_log.setLevel(level)
+        log.debug("exporter: %s", printed.getvalue().strip())
+
+
+def token_lists(split: TaskSplit, encoding: str, rows: int | None = None) -> dict[str, list[np.ndarray]]:
+    """The first `rows` rows (all without) of a tokenized split, as the engine's `encode` gives them."""
+    names = ("input_ids_1", "input_ids_2") if encoding == "bi" else ("input_ids", "token_type_ids")
+    count = len(split) if rows is None else min(rows, len(split))
+    lists = {}
+    for name in names:
+        column = split.tokens[name]
+        lists[name] = [column.values[column.offsets[i]:column.offsets[i + 1]] for i in range(count)]
+    return lists
+
+
+def first_rows(split: TaskSplit, rows: int) -> TaskSplit:
+    keep = np.arange(min(rows, len(split)))
+    return TaskSplit(task=split.task, ids=split.ids[keep], labels=split.labels[keep],
+                     tokens={name: column.take(keep) for name, column in split.tokens.items()})
+
+
+def check_parity(model: nn.Module, folder: Path, task: str, dev: TaskSplit, options: ExportParams,
+                 threads: int) -> float:
+    """The largest difference between the fp32 graph and PyTorch on the first dev rows; over the tolerance
+    it is an ExportError."""
+    encoding = encoding_of(model, task)
+    expected = predict_split(model, first_rows(dev, options.check_rows), CHECK_BATCH, torch.device("cpu"))
+    engine = OnnxPredictor(folder, read_manifest(folder), engine="onnx", batch_size=CHECK_BATCH, threads=threads)
+    got = engine.values_of_tokens(task, token_lists(dev, encoding, options.check_rows))
+    return parity_difference(task, expected, got, options.tolerance)
+
+
+def parity_difference(task: str, expected: np.ndarray, got: np.ndarray, tolerance: float) -> float:
+    """max |expected - got|; over `tolerance` (or a shape that differs) an ExportError naming the task."""
+    if expected.shape != got.shape:
+        raise ExportError(f"task {task}: the ONNX graph gives predictions of shape {got.shape}, PyTorch "
+                          f"{expected.shape}")
+    difference = float(np.max(np.abs(expected - got))) if expected.size else 0.0
+    if not difference <= tolerance:  # NaN fails too
+        raise ExportError(f"task {task}: the ONNX graph differs from PyTorch by {difference:.3g} on the first "
+                          f"{len(expected)} dev rows, over export.tolerance {tolerance:g}; the graph is not written")
+    return difference
+
+
+def measure(predictors: dict[str, OnnxPredictor], dev: dict[str, TaskSplit], tasks: dict[str, Task],
+            options: ExportParams) -> dict:
+    """Each engine's dev metrics on the whole dev split and its time on the first `speed_rows` rows of
+    each task, and the default engine chosen by them."""
+    metrics = {engine: dev_metrics(predictor, dev, tasks) for engine, predictor in predictors.items()}
+    encodings = {name: task.encoding for name, task in predictors["onnx"].tasks.items()}
+    seconds = engine_seconds(predictors, {name: token_lists(split, encodings[name], options.speed_rows)
+                                          for name, split in dev.items()})
+    report: dict = {"dev": metrics, "speed": {"rows_per_task": min(options.speed_rows, *map(len, dev.values())),
+                                              "rounds": TIMING_ROUNDS, "threads": predictors["onnx"].threads,
+                                              "seconds": seconds}}
+    if "int8" in metrics:
+        report["int8_drop"] = {name: metrics["onnx"][name][task.headline] - metrics["int8"][name][task.headline]
+                               for name, task in tasks.items()}
+        report["speed"]["int8_speedup"] = seconds["onnx"] / seconds["int8"]
+    report["engine"], report["reason"] = choose_engine(report.get("int8_drop"), seconds, options.int8_max_drop,
+                                                       {name: task.headline for name, task in tasks.items()})
+    return report
+
+
+def dev_metrics(predictor: OnnxPredictor, dev: dict[str, TaskSplit], tasks: dict[str, Task]) -> dict:
+    """The engine's metrics on every task's whole dev split, and the overall score."""
+    log.info("dev metrics of the %s graphs", predictor.engine)
+    metrics = {}
+    for name, task in tasks.items():
+        values = predictor.values_of_tokens(name, token_lists(dev[name], predictor.tasks[name].encoding))
+        metrics[name] = task_metrics(task, values, dev[name].labels)
+    metrics["overall"] = overall(metrics, tasks)
+    return metrics
+
+
+def engine_seconds(predictors: dict[str, OnnxPredictor], tokens: dict[str, dict]) -> dict[str, float]:
+    """Seconds each engine takes over `tokens` (every task), summed over TIMING_ROUNDS alternating rounds
+    after one untimed round (sessions loaded, buffers allocated)."""
+    seconds = dict.fromkeys(predictors, 0.0)
+    for round_ in range(TIMING_ROUNDS + 1):
+        for engine, predictor in predictors.items():
+            started = time.perf_counter()
+            for task, rows in tokens.items():
+                predictor.values_of_tokens(task, rows)
+            if round_:
+                seconds[engine] += time.perf_counter() - started
+    return seconds
+
+
+def choose_engine(int8_drop: dict[str, float] | None, seconds: dict[str, float], max_drop: float,
+                  headlines: dict[str, str]) -> tuple[str, str]:
+    """The default engine and why: int8 where no task's dev headline drops by more than max_drop and it
+    was faster here; else fp32 (`onnx`)."""
+    if int8_drop is None:
+        return "onnx", "export.int8 is false: no int8 graphs"
+    worst = max(int8_drop, key=lambda name: int8_drop[name])
+    drop = int8_drop[worst]
+    if drop > max_drop:
+        return "onnx", (f"int8 drops {worst}'s dev {headlines[worst]} by {drop:.4f}, more than "
+                        f"export.int8_max_drop {max_drop:g}")
+    if seconds["int8"] >= seconds["onnx"]:
+        return "onnx", (f"int8 was not faster on this machine: {seconds['int8']:.3f} s against fp32's "
+                        f"{seconds['onnx']:.3f} s on the timed dev rows")
+    return "int8", (f"int8 keeps every task's dev headline within {max_drop:g} of fp32 (largest drop: {worst} "
+                    f"{drop:.4f}) and ran the timed dev rows {seconds['onnx'] / seconds['int8']:.2f}x as fast")
+
+
+def graph_megabytes(folder: Path, entries: dict, engine: str) -> float:
+    return sum((folder / entry["graphs"][engine]).stat().st_size for entry in entries.values()) / 2 ** 20

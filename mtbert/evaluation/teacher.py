@@ -1,0 +1,58 @@
+"""The teacher of a distilled student: the ensemble the `ensemble` stage chose, on the training rows.
+
+Per task, the average of its members' predictions of the training split, in the order the stage averaged
+them (metrics/ensemble.json's `order`; a member picked twice weighs twice), so it is the ensemble's own
+prediction of those rows. The members' predictions are their `predict` dumps of the training split, which
+`predict` writes when distill.enabled is true: the student's stage then needs no model but its own, and
+DVC sees every input it reads. The ensemble was chosen on dev, but the student only ever trains on the
+training rows and their labels.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from mtbert.data.tasks import Task
+from mtbert.evaluation.ensemble import average
+from mtbert.evaluation.predictions import dump_path, read_aligned, read_dump
+from mtbert.runtime import MissingInputError, UserError
+
+
+def ensemble_members(ensemble_file: Path, tasks: dict[str, Task]) -> dict[str, list[str]]:
+    """Per task, the ensemble's members in the order it averaged them, repeats included."""
+    if not ensemble_file.is_file():
+        raise MissingInputError(f"{ensemble_file} is missing; run `dvc repro ensemble`")
+    report = json.loads(ensemble_file.read_text(encoding="utf-8"))
+    members = {}
+    for name in tasks:
+        order = report.get(name, {}).get("order") if isinstance(report.get(name), dict) else None
+        if not order:
+            raise UserError(f"{ensemble_file}: no `order` of members for task {name!r}; run `dvc repro ensemble`")
+        snapshots = [member for member in order if "@" in member]
+        if snapshots:
+            raise UserError(f"{ensemble_file}: member {snapshots[0]} of task {name} is an epoch snapshot, which has "
+                            "no training-split dump; distil an ensemble of ensemble.snapshots: false")
+        members[name] = list(order)
+    return members
+
+
+def training_predictions(predictions_dir: Path, task: Task, order: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The ids of the task's training rows and the average of the members' predictions of them."""
+    for member in dict.fromkeys(order):
+        if not dump_path(predictions_dir / member, task.name, "train").is_file():
+            raise MissingInputError(f"{dump_path(predictions_dir / member, task.name, 'train')} is missing: "
+                                    "`predict` dumps the training split only with distill.enabled: true; run "
+                                    "`dvc repro`")
+    ids, _ = read_dump(predictions_dir / order[0], task, "train")
+    values = {member: read_aligned(predictions_dir / member, task, "train", ids) for member in dict.fromkeys(order)}
+    return ids, average(values, order)
+
+
+def ensemble_teacher(ensemble_file: Path, predictions_dir: Path,
+                     tasks: dict[str, Task]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per task, the training rows' ids and the ensemble's predictions of them."""
+    members = ensemble_members(ensemble_file, tasks)
+    return {name: training_predictions(predictions_dir, task, members[name]) for name, task in tasks.items()}

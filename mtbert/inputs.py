@@ -1,0 +1,84 @@
+"""What both prediction engines (PyTorch's mtbert/inference.py, ONNX Runtime's mtbert/deploy/engine.py) read
+besides a model: the texts, checked and cleaned, and the ensemble's members (metrics/ensemble.json).
+
+Imports nothing heavy, so the ONNX engine's command starts fast. A task here is anything with a `name` and
+`text_columns` (a data.tasks.Task, or an exported task).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from mtbert.runtime import UserError
+
+Text = str | Sequence[str]  # one sentence, or a pair
+
+
+class InputError(UserError, ValueError):
+    """A text to predict is empty, a pair lacks a side, or an input file cannot be read."""
+
+
+class EnsembleFileError(UserError, ValueError):
+    """The ensemble's metrics/ensemble.json is missing, unreadable, or names members that cannot be run."""
+
+
+def check_texts(task, texts: Sequence[Text], where: str = "input") -> list[tuple[str, ...]]:
+    """Each text as a tuple of the task's text columns; an empty text or a missing side is an InputError."""
+    if not texts:
+        raise InputError(f"{where}: no texts to predict")
+    width = len(task.text_columns)
+    rows = []
+    for index, text in enumerate(texts, start=1):
+        row = (text,) if isinstance(text, str) else tuple(text)
+        if len(row) != width:
+            kind = "a pair of sentences" if width == 2 else "one sentence"
+            raise InputError(f"{where} row {index}: task {task.name} reads {kind} "
+                             f"({', '.join(task.text_columns)}), got {len(row)} text(s)")
+        for column, value in zip(task.text_columns, row, strict=True):
+            if not isinstance(value, str) or not value.strip():
+                raise InputError(f"{where} row {index}: {column} is empty; expected a non-empty text")
+        rows.append(row)
+    return rows
+
+
+def clean(text: str, replacements: Sequence[Sequence[str]]) -> str:
+    """One text as `tokenize` cleaned the training text (rawdata.clean_text): whitespace stripped, then each
+    (escape, plain) replacement in order."""
+    text = text.strip()
+    for escape, plain in replacements:
+        text = text.replace(escape, plain)
+    return text
+
+
+def ensemble_members(path: Path | str) -> dict[str, list[str]]:
+    """Per task, the ensemble's members in the order the `ensemble` stage averaged them (repeats weigh more)."""
+    path = Path(path)
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        members = {task: list(report[task]["order"]) for task in ensemble_tasks(report)}
+    except (OSError, ValueError, KeyError, TypeError):
+        raise EnsembleFileError(f"{path}: expected the ensemble stage's metrics/ensemble.json with each task's "
+                                "`order` of members (run `dvc repro ensemble`)") from None
+    if not members or not all(isinstance(name, str) for order in members.values() for name in order):
+        raise EnsembleFileError(f"{path}: expected the ensemble stage's metrics/ensemble.json with each task's "
+                                "`order` of members (run `dvc repro ensemble`)")
+    snapshots = sorted({name for order in members.values() for name in order if "@" in name})
+    if snapshots:
+        raise EnsembleFileError(f"{path}: member {snapshots[0]} is an epoch snapshot, whose model is not kept; "
+                                "run the ensemble with ensemble.snapshots: false to predict new text")
+    return members
+
+
+def ensemble_tasks(report: dict) -> list[str]:
+    """The task sections of metrics/ensemble.json: those with an `order` of members."""
+    return [key for key, value in report.items() if isinstance(value, dict) and "order" in value]
+
+
+def average_members(values: dict[str, object], order: list[str]):
+    """The ensemble's average of its members' predictions in `order`, as evaluation.ensemble.average sums it
+    (numpy's mean over the members in that order), so the result is the ensemble's dumps."""
+    import numpy as np
+
+    return np.mean([values[name] for name in order], axis=0)

@@ -1,0 +1,144 @@
+"""Stage `distill@<student>`: one student of the ensemble, trained on its predictions of the training rows.
+
+The student has the configuration of variant `distill.variant` with its own seed (`distill.students`), and
+runs the fine-tuning loop of `train` (mtbert/training/finetune.py) with each training row's loss blended
+from the ensemble's prediction of it and its gold label (mtbert/training/distillation.py). The teacher is
+the ensemble of metrics/ensemble.json: its members' dumps of the training split, which `predict` writes
+with distill.enabled (mtbert/evaluation/teacher.py). Writes, like a variant's train and predict together:
+models/<student>/ (the model folder with its card, for `mtbert predict` and `Predictor.load`),
+data/distilled/<student>/ (dev and test dumps and CS224N files; not under data/predictions/, which the
+ensemble reads), metrics/<student>.json (dev metrics) and metrics/train/<student>.json (the training
+summary); `stats` groups the students as one seed group. Resumes from checkpoints/<student>/ like `train`.
+
+With distill.enabled false it writes those outputs saying the student was skipped, in a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+
+import typer
+import yaml
+
+from mtbert import io
+from mtbert.data.tasks import tasks_from_params
+from mtbert.evaluation.metrics import headline_summary
+from mtbert.evaluation.teacher import ensemble_members, ensemble_teacher
+from mtbert.model.card import CARD_FILE, student_card
+from mtbert.model.saved import CONFIG_FILE, load_model
+from mtbert.params import DistillParams, Params, ParamsError, deep_merge, load_params, merged_variant, parse_section
+from mtbert.runtime import limit_memory_growth, run_app, setup_logging, use_bf16
+from mtbert.training import finetune
+from mtbert.training.distillation import Distillation
+from mtbert.training.distributed import relaunch_with_torchrun, setup_process, shutdown, under_torchrun
+from mtbert.training.loop import Paths
+from stages.predict import write_predictions
+
+log = logging.getLogger("distill")
+app = typer.Typer(add_completion=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+    """What the stage writes for one student."""
+    model: Path  # models/<student>/
+    dumps: Path  # data/distilled/<student>/
+    metrics: Path  # metrics/<student>.json: dev metrics, as predict's metrics/<variant>.json
+    summary: Path  # metrics/train/<student>.json: the training summary, as train's
+
+
+def student_params(params_file: Path, distill: DistillParams, student: str) -> Params:
+    """The configuration of distill.variant with the student's seed, validated like a variant's."""
+    raw = yaml.safe_load(params_file.read_text(encoding="utf-8"))
+    merged = deep_merge(merged_variant(raw, distill.variant), {"train": {"seed": distill.students[student]}})
+    return parse_section(Params, merged, f"distill.students.{student}", source=str(params_file))
+
+
+def skip(outputs: Outputs, student: str) -> None:
+    """distill.enabled is false: every output, saying so."""
+    log.info("distill.enabled is false: student %s is not trained", student)
+    note = (f"# `{student}`: not trained\n\n`distill.enabled` is false in params.yaml, so the `distill` stage "
+            "trained no student here (docs/ensembling.md, Distillation).\n")
+    for folder in (outputs.model, outputs.dumps):
+        with io.atomic_dir(folder) as temp:
+            (temp / CARD_FILE).write_text(note, encoding="utf-8")
+    for path in (outputs.metrics, outputs.summary):
+        io.write_metrics(path, {"enabled": False})
+
+
+def distil(params: Params, student: str, paths: Paths, distillation: Distillation) -> tuple[finetune.FineTuning, dict]:
+    """Train the student from its last checkpoint (or the start) to the end, as `train` trains a variant."""
+    limit_memory_growth(params.runtime.onednn_cache, params.runtime.malloc_threshold_mb)
+    ranks, device = setup_process(params.train.seed, params.runtime.threads)
+    fingerprint = distillation.fingerprint(finetune.run_fingerprint(params, paths.tokenized, paths.pretrained,
+                                                                    ranks.world_size))
+    run = finetune.prepare(params, student, paths, ranks, device, fingerprint, distillation)
+    summary = finetune.train(run, finetune.resume(run))
+    shutdown(ranks)
+    return run, summary
+
+
+def describe_student(model_dir: Path, summary: dict, params: Params, record: dict) -> None:
+    """The model folder's config records what taught the student, and its card says it."""
+    config = json.loads((model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    io.write_json(model_dir / CONFIG_FILE, {**config, "distill": record})
+    card = student_card(summary, config["params"], tasks_from_params(params.tasks), str(model_dir), record)
+    io.write_text(model_dir / CARD_FILE, card)
+
+
+@app.command()
+def main(student: str = typer.Option(..., "--student", help="a key of distill.students in params.yaml"),
+         params_file: Path = typer.Option(Path("params.yaml")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         rejects_file: Path = typer.Option(Path("data/rejects.tsv")),
+         predictions_dir: Path = typer.Option(Path("data/predictions"), help="the members' training-split dumps"),
+         ensemble_file: Path = typer.Option(Path("metrics/ensemble.json"), help="each task's members"),
+         pretrained_dir: Path = typer.Option(Path("models/pretrained"), help="the encoder to start from"),
+         models_dir: Path = typer.Option(Path("models")),
+         dumps_dir: Path = typer.Option(Path("data/distilled")),
+         metrics_dir: Path = typer.Option(Path("metrics")),
+         train_metrics_dir: Path = typer.Option(Path("metrics/train")),
+         checkpoints_dir: Path = typer.Option(Path("checkpoints"))) -> None:
+    setup_logging()
+    params = load_params(params_file)
+    distill = params.distill
+    if student not in distill.students:
+        raise ParamsError(f"{params_file}: distill.students: no student {student!r}; it names "
+                          f"{', '.join(distill.students)}")
+    outputs = Outputs(model=models_dir / student, dumps=dumps_dir / student, metrics=metrics_dir / f"{student}.json",
+                      summary=train_metrics_dir / f"{student}.json")
+    if not distill.enabled:
+        skip(outputs, student)
+        return
+    own = student_params(params_file, distill, student)
+    if own.train.nproc > 1 and not under_torchrun():
+        relaunch_with_torchrun(own.train.nproc, "stages.distill", sys.argv[1:])
+    tasks = tasks_from_params(own.tasks)
+    distillation = Distillation(ensemble_teacher(ensemble_file, predictions_dir, tasks), distill.alpha,
+                                distill.temperature)
+    paths = Paths(tokenized=tokenized_dir, model_out=outputs.model, metrics_out=outputs.summary,
+                  live_dir=checkpoints_dir / student / "live", checkpoints=checkpoints_dir / student,
+                  pretrained=pretrained_dir)  # no snapshot dumps: a student is no ensemble candidate
+    run, summary = distil(own, student, paths, distillation)
+    if not run.ranks.is_main:
+        return
+    members = ensemble_members(ensemble_file, tasks)
+    record = {"variant": distill.variant, "seed": own.train.seed, "alpha": distill.alpha,
+              "temperature": distill.temperature,
+              "members": {name: {m: order.count(m) for m in dict.fromkeys(order)} for name, order in members.items()}}
+    describe_student(outputs.model, summary, own, record)
+    model, _ = load_model(outputs.model)
+    model.to(run.device)
+    with io.atomic_dir(outputs.dumps) as temp:  # as predict's dumps of a variant
+        dev = write_predictions(model, ("dev", "test"), tokenized_dir, rejects_file, temp, own.predict.batch_size,
+                                run.device, use_bf16(own.predict.bf16, run.device))
+    io.write_metrics(outputs.metrics, {**dev, "distill": record})
+    log.info("%s dev: overall %.4f  %s", student, dev["overall"], headline_summary(dev, tasks))
+
+
+if __name__ == "__main__":
+    run_app(app)

@@ -1,0 +1,107 @@
+"""Two small trained variants, their `predict` dumps, the ensemble over them and their exports, made by the
+pipeline's own stages, for the tests of the deployment (export, the ONNX engine, the server, the benchmark).
+
+The variants are built from the 2-layer backbone with perturbed weights instead of trained (a folder as
+`train` writes it, in seconds), and between them cover every task kind and encoding: `cross` (one shared
+encoder, CLS pooling: SST classification, QQP binary and STS regression as cross-encoded pairs) and `bi`
+(CerBERTus with one task layer, mean pooling, QQP kept at another epoch than the others: QQP a bi-encoder
+over [u, v, |u-v|, u*v], STS the cosine bi-encoder).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from typer.testing import CliRunner
+
+from tests.conftest import make_params
+
+VARIANTS = {
+    "cross": {},
+    "bi": {"model": {"arch": "cerbertus", "task_layers": 1},
+           "heads": {"sst": {"pooling": "mean"},
+                     "qqp": {"pooling": "mean", "encoding": "bi", "combine": "features"},
+                     "sts": {"pooling": "mean", "encoding": "bi", "combine": "cosine"}}},
+}
+TASK_EPOCHS = {"cross": {"sst": 1, "qqp": 1, "sts": 1}, "bi": {"sst": 1, "qqp": 2, "sts": 1}}
+# predict as the engines are compared (fp32, small batches: several widths); a quick export
+PARAMS = {"predict": {"batch_size": 8, "bf16": False},
+          "export": {"check_rows": 16, "speed_rows": 16, "batch_size": 8}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Deployed:
+    root: Path
+    params_file: Path
+    tokenized: Path
+    models: Path  # models/<variant>/
+    predictions: Path  # data/predictions/<variant>/
+    ensemble_dir: Path  # the ensemble's dumps
+    ensemble_file: Path  # metrics/ensemble.json
+    exports: Path  # exports/<variant>/
+    export_metrics: Path  # metrics/export/<variant>.json
+
+
+def build(root: Path, backbone: Path, tokenized: Path) -> Deployed:
+    params_file = make_params(root, backbone, Path("unused"), models=VARIANTS, extra=PARAMS)
+    deployed = Deployed(root=root, params_file=params_file, tokenized=tokenized, models=root / "models",
+                        predictions=root / "predictions", ensemble_dir=root / "ensemble",
+                        ensemble_file=root / "metrics" / "ensemble.json", exports=root / "exports",
+                        export_metrics=root / "metrics" / "export")
+    rejects = tokenized.parent / "rejects.tsv"
+    for variant in VARIANTS:
+        write_variant(deployed, variant, backbone)
+        invoke("stages.predict", "--variant", variant, "--params-file", params_file, "--tokenized-dir", tokenized,
+               "--rejects-file", rejects, "--models-dir", deployed.models, "--predictions-dir", deployed.predictions,
+               "--metrics-dir", root / "metrics")
+        snapshots = root / "snapshots" / variant
+        snapshots.mkdir(parents=True)
+        (snapshots / "chosen.json").write_text(json.dumps(TASK_EPOCHS[variant]))  # no other epochs' dumps
+    invoke("stages.ensemble", "--params-file", params_file, "--tokenized-dir", tokenized, "--rejects-file", rejects,
+           "--predictions-dir", deployed.predictions, "--snapshots-dir", root / "snapshots",
+           "--out-dir", deployed.ensemble_dir, "--plots-dir", root / "plots", "--metrics-file", deployed.ensemble_file)
+    for variant in VARIANTS:
+        invoke("stages.export", "--variant", variant, "--params-file", params_file, "--tokenized-dir", tokenized,
+               "--models-dir", deployed.models, "--exports-dir", deployed.exports,
+               "--metrics-dir", deployed.export_metrics)
+    return deployed
+
+
+def write_variant(deployed: Deployed, variant: str, backbone: Path) -> None:
+    """models/<variant>/ as `train` leaves it, each kept epoch's weights the backbone's plus noise."""
+    from mtbert.data.tasks import tasks_from_params
+    from mtbert.model.backbone import load_encoder, load_tokenizer
+    from mtbert.model.multitask import MultitaskModel
+    from mtbert.model.saved import assemble_model, epoch_dir, save_model
+    from mtbert.params import as_dict, variant_params
+    from mtbert.training.finetune import NOT_TRAINING
+
+    params = variant_params(deployed.params_file, variant)
+    torch.manual_seed(len(variant))
+    model = MultitaskModel(load_encoder(str(backbone)), tasks_from_params(params.tasks), params.heads,
+                           params.model.arch, params.model.task_layers)
+    config = {"variant": variant,
+              "params": {key: value for key, value in as_dict(params).items() if key not in NOT_TRAINING}}
+    epochs = deployed.root / "epochs" / variant
+    for epoch in sorted(set(TASK_EPOCHS[variant].values())):
+        with torch.no_grad():  # every copy of a layer distinct, as after training
+            for parameter in model.parameters():
+                parameter.add_(0.01 * torch.randn_like(parameter))
+        save_model(model, load_tokenizer(str(backbone)), epochs / epoch_dir(epoch), config)
+    assemble_model(deployed.models / variant, epochs, TASK_EPOCHS[variant], config)
+
+
+def invoke(stage: str, *arguments) -> None:
+    """A stage's command, in this process."""
+    import importlib
+
+    app = importlib.import_module(stage).app
+    result = CliRunner().invoke(app, [str(argument) for argument in arguments])
+    if result.exit_code != 0:
+        import traceback
+
+        raise AssertionError(f"{stage} failed: {result.output[-2000:]}\n"
+                             + "".join(traceback.format_exception(*result.exc_info)))

@@ -1,0 +1,41 @@
+"""The weights' moving average: the debiased one (`train.ema`) forgets the starting weights."""
+
+import torch
+from torch import nn
+
+from mtbert.training.averaging import MovingAverage
+
+
+def trajectory(model: nn.Linear, average: MovingAverage, values: list[float]) -> None:
+    """Set the model's weight to each value in turn, updating the average after each, as training does."""
+    for value in values:
+        with torch.no_grad():
+            model.weight.fill_(value)
+        average.update(model)
+
+
+def test_the_debiased_average_is_the_decay_weighted_mean_of_the_trained_weights_only():
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(100.0)  # the starting weights, which the debiased average must not remember
+    decay, values = 0.9, [1.0, 2.0, 4.0]
+    debiased = MovingAverage(model, decay, debiased=True)
+    trajectory(model, debiased, values)
+    weights = [decay ** (len(values) - 1 - i) for i in range(len(values))]
+    expected = sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)
+    assert debiased.model.weight.item() == torch.tensor(expected).item()
+    # The plain average still holds decay^3 of the starting 100.
+    plain_model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        plain_model.weight.fill_(100.0)
+    plain = MovingAverage(plain_model, decay)
+    trajectory(plain_model, plain, values)
+    assert abs(plain.model.weight.item() - (decay ** 3 * 100 + (1 - decay) * sum(
+        decay ** (2 - i) * v for i, v in enumerate(values)))) < 1e-4
+
+
+def test_the_first_update_of_the_debiased_average_is_the_trained_weights():
+    model = nn.Linear(2, 1)
+    average = MovingAverage(model, 0.998, debiased=True)
+    trajectory(model, average, [0.5])
+    assert torch.equal(average.model.weight, model.weight) and torch.equal(average.model.bias, model.bias)

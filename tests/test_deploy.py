@@ -1,0 +1,315 @@
+"""Export to ONNX, the ONNX Runtime engine and `mtbert predict` on exports, on two small variants and the
+ensemble over them (tests/deployed.py): every task kind and encoding against the `predict` and `ensemble`
+dumps, the fast path's imports, the same output and the same one-line errors as the PyTorch path."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from mtbert.deploy.engine import OnnxEnsemblePredictor, OnnxPredictor, resolve_engine
+from mtbert.deploy.export import ExportError, choose_engine, parity_difference
+from mtbert.integrity import IntegrityError, verify, write_manifest
+from tests.conftest import REPO_ROOT
+from tests.deployed import VARIANTS
+
+TASKS = ("sst", "qqp", "sts")
+TOLERANCE = 1e-4  # the issue's: ONNX fp32 against the PyTorch dumps
+
+
+def dev_texts(deployed, task: str) -> list[tuple[str, ...]]:
+    """A task's dev texts in the split's row order (the dumps' order), as the tokenized split stores them."""
+    table = pq.read_table(deployed.tokenized / f"{task}-dev.parquet")
+    columns = ["sentence"] if task == "sst" else ["sentence1", "sentence2"]
+    return list(zip(*(table.column(c).to_pylist() for c in columns), strict=True))
+
+
+def dump_values(path: Path) -> np.ndarray:
+    table = pq.read_table(path)
+    return np.array([table.column(c).to_numpy() for c in table.column_names
+                     if c.startswith("prob") or c == "score"]).T
+
+
+# --- parity -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("task", TASKS)
+def test_onnx_fp32_equals_the_pytorch_dumps(deployed, variant, task):
+    """sst: classification of one sentence; qqp: binary (cross-encoded; bi with the features head); sts:
+    regression (cross-encoded; the cosine bi-encoder); `bi` keeps qqp from another epoch."""
+    texts = dev_texts(deployed, task)
+    for batch_size in (3, 128):  # batches of several widths, and the whole split as one
+        predictor = OnnxPredictor.load(deployed.exports / variant, engine="onnx", batch_size=batch_size, threads=1)
+        values = predictor.values(task, texts).reshape(len(texts), -1)
+        expected = dump_values(deployed.predictions / variant / f"{task}-dev.parquet")
+        assert values.shape == expected.shape and np.abs(values - expected).max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_the_onnx_ensemble_equals_the_ensembles_dumps(deployed, task):
+    texts = dev_texts(deployed, task)
+    ensemble = OnnxEnsemblePredictor.load(deployed.ensemble_file, deployed.exports, engine="onnx", threads=1)
+    assert ensemble.members[task] == ["bi", "cross"]  # uniform: both variants, so the average is tested
+    values = ensemble.values(task, texts).reshape(len(texts), -1)
+    expected = dump_values(deployed.ensemble_dir / f"{task}-dev.parquet")
+    assert np.abs(values - expected).max() <= TOLERANCE
+
+
+def test_cleaning_and_truncation_are_the_pytorch_engines(deployed):
+    """Raw text the dev splits do not have: PTB escapes (undone for SST only), surrounding whitespace, and
+    texts and pairs far over tokenize.max_length (32 here: pairs are cut longest-first)."""
+    from mtbert.inference import Predictor
+
+    long = " ".join(["a remarkably long and winding sentence about rice"] * 12)
+    cases = {"sst": ["  It 's a -LRB- lovely -RRB- film , `` fine '' \\/ good . ", long, "Dull."],
+             "qqp": [("-LRB- How -RRB- do I cook rice?", long), (long, "short"), (long, long + " too")],
+             "sts": [(" A dog runs. ", "A dog is running."), (long, "A cat."), ("A cat.", long)]}
+    for variant in VARIANTS:
+        onnx = OnnxPredictor.load(deployed.exports / variant, engine="onnx", threads=1)
+        torch_engine = Predictor.load(deployed.models / variant, batch_size=2)
+        for task, texts in cases.items():
+            assert np.abs(onnx.values(task, texts) - torch_engine.values(task, texts)).max() <= TOLERANCE
+            assert [row["label"] for row in onnx.predict(task, texts)] == \
+                [row["label"] for row in torch_engine.predict(task, texts)] or task == "sts"
+
+
+def test_int8_graphs_run_every_task(deployed):
+    for variant in VARIANTS:
+        int8 = OnnxPredictor.load(deployed.exports / variant, engine="int8", threads=1)
+        for task in TASKS:
+            values = int8.values(task, dev_texts(deployed, task))
+            assert np.isfinite(values).all()
+            if task == "sst":
+                assert np.allclose(values.sum(-1), 1.0, atol=1e-5)
+
+
+# --- the export's manifest and metrics -------------------------------------------------------------------
+def test_the_manifest_describes_the_export_and_its_metrics_say_which_engine_and_why(deployed):
+    for variant in VARIANTS:
+        folder = deployed.exports / variant
+        manifest = verify(folder)  # every file's sha256
+        metrics = json.loads((deployed.export_metrics / f"{variant}.json").read_text())
+        assert sorted(manifest["files"]) == sorted(["tokenizer.json", *(f"{t}{s}.onnx" for t in TASKS
+                                                                        for s in ("", ".int8"))])
+        assert manifest["max_length"] == 32 and manifest["truncation"] == "longest_first"
+        assert manifest["default_engine"] == metrics["engine"] in ("onnx", "int8") and metrics["reason"]
+        assert manifest["tasks"]["sst"]["kind"] == "classification" and manifest["tasks"]["qqp"]["kind"] == "binary"
+        assert manifest["tasks"]["sst"]["columns"] == [f"prob_{c}" for c in range(5)]
+        assert ["-LRB-", "("] in manifest["tasks"]["sst"]["clean"]["replace"]  # data.unescape_ptb: [sst]
+        assert manifest["tasks"]["qqp"]["clean"]["replace"] == []
+        expected = {"cross": {"sst": "single", "qqp": "cross", "sts": "cross"},
+                    "bi": {"sst": "single", "qqp": "bi", "sts": "bi"}}[variant]
+        assert {task: entry["encoding"] for task, entry in manifest["tasks"].items()} == expected
+        assert manifest["source"]["task_epochs"] == {"cross": {"sst": 1, "qqp": 1, "sts": 1},
+                                                     "bi": {"sst": 1, "qqp": 2, "sts": 1}}[variant]
+        assert all(difference <= TOLERANCE for difference in metrics["parity"]["max_abs_difference"].values())
+        assert set(metrics["dev"]) == {"onnx", "int8"} and set(metrics["dev"]["int8"]) == {*TASKS, "overall"}
+        assert set(metrics["int8_drop"]) == set(TASKS) and metrics["speed"]["seconds"]["int8"] > 0
+        assert metrics["size_mb"]["int8"] < metrics["size_mb"]["onnx"]
+        fp32_metrics = json.loads((deployed.root / "metrics" / f"{variant}.json").read_text())  # `predict`'s
+        for task in TASKS:
+            assert metrics["dev"]["onnx"][task] == pytest.approx(fp32_metrics[task], abs=2e-3)
+
+
+def test_int8_is_the_default_only_where_it_is_as_good_and_faster():
+    headlines = {"sst": "accuracy", "sts": "pearson"}
+    faster, slower = {"onnx": 2.0, "int8": 1.0}, {"onnx": 1.0, "int8": 1.5}
+    assert choose_engine({"sst": 0.002, "sts": -0.01}, faster, 0.003, headlines)[0] == "int8"
+    engine, reason = choose_engine({"sst": 0.0031, "sts": 0.0}, faster, 0.003, headlines)
+    assert engine == "onnx"
+    assert reason == "int8 drops sst's dev accuracy by 0.0031, more than export.int8_max_drop 0.003"
+    engine, reason = choose_engine({"sst": 0.0, "sts": 0.001}, slower, 0.003, headlines)
+    assert engine == "onnx"
+    assert reason.startswith("int8 was not faster on this machine: 1.500 s against fp32's 1.000 s")
+    assert choose_engine(None, {"onnx": 1.0}, 0.003, headlines) == ("onnx", "export.int8 is false: no int8 graphs")
+
+
+def test_a_graph_that_differs_from_pytorch_fails_the_export_naming_the_task():
+    expected = np.array([[0.2, 0.8], [0.5, 0.5]])
+    assert parity_difference("sst", expected, expected + 5e-5, 1e-4) == pytest.approx(5e-5)
+    with pytest.raises(ExportError, match=r"^task sst: the ONNX graph differs from PyTorch by 0.001 on the first 2 "
+                                          r"dev rows, over export.tolerance 0.0001"):
+        parity_difference("sst", expected, expected + 1e-3, 1e-4)
+    with pytest.raises(ExportError, match="differs from PyTorch by nan"):
+        parity_difference("sst", expected, expected * np.nan, 1e-4)
+
+
+def test_an_engine_the_export_lacks_is_refused_in_one_line(deployed):
+    from mtbert.deploy.engine import ExportedTask, ExportFolderError
+
+    manifest = json.loads((deployed.exports / "cross" / "manifest.json").read_text())
+    tasks = {name: ExportedTask.from_manifest(name, {**entry, "graphs": {"onnx": f"{name}.onnx"}}, "m.json")
+             for name, entry in manifest["tasks"].items()}
+    with pytest.raises(ExportFolderError, match=r"^m.json: task sst has no int8 graph \(exported with export.int8: "
+                                                r"false\); the export has: onnx$"):
+        resolve_engine("int8", manifest, tasks, "m.json")
+    assert resolve_engine("auto", {**manifest, "default_engine": "onnx"}, tasks, "m.json") == "onnx"
+
+
+def test_the_export_command_writes_an_export_that_predicts_like_the_stages(deployed, tmp_path):
+    out = tmp_path / "exported"
+    result = run_mtbert("export", "--model", deployed.models / "cross", "--out", out, "--no-int8",
+                        "--params-file", deployed.params_file, "--tokenized-dir", deployed.tokenized,
+                        "--metrics", tmp_path / "export.json", "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"{out}: default engine onnx (export.int8 is false: no int8 graphs)"
+    assert not list(out.glob("*.int8.onnx")) and json.loads((tmp_path / "export.json").read_text())["engine"] == "onnx"
+    texts = dev_texts(deployed, "qqp")
+    values = OnnxPredictor.load(out, threads=1).values("qqp", texts).reshape(len(texts), -1)
+    assert np.abs(values - dump_values(deployed.predictions / "cross" / "qqp-dev.parquet")).max() <= TOLERANCE
+
+
+# --- integrity ------------------------------------------------------------------------------------------
+def test_write_manifest_and_verify_name_the_file_that_changed(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.bin").write_bytes(b"weights")
+    (tmp_path / "sub" / "b.txt").write_text("tokens")
+    manifest = write_manifest(tmp_path, {"format": 1})
+    assert sorted(manifest["files"]) == ["a.bin", "sub/b.txt"] and manifest["format"] == 1
+    assert verify(tmp_path) == json.loads((tmp_path / "manifest.json").read_text())
+    (tmp_path / "a.bin").write_bytes(b"weightz")
+    with pytest.raises(IntegrityError, match=r"a.bin has sha256 [0-9a-f]{64}, but .*manifest.json expects "):
+        verify(tmp_path)
+    verify(tmp_path, ["sub/b.txt"])  # only the files asked for
+    (tmp_path / "sub" / "b.txt").unlink()
+    with pytest.raises(IntegrityError, match=r"sub/b.txt is missing; .*manifest.json lists it$"):
+        verify(tmp_path, ["sub/b.txt"])
+    with pytest.raises(IntegrityError, match=r"c.txt: not listed in"):
+        verify(tmp_path, ["c.txt"])
+    (tmp_path / "manifest.json").write_text("[]")
+    with pytest.raises(IntegrityError, match=r"manifest.json: not a manifest"):
+        verify(tmp_path)
+    with pytest.raises(IntegrityError, match=r"manifest.json is missing"):
+        verify(tmp_path / "sub")
+
+
+# --- `mtbert predict` on an export ------------------------------------------------------------------------
+def run_mtbert(*args, stdin: bytes | None = None, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mtbert.cli", *map(str, args)], cwd=cwd, input=stdin,
+                          capture_output=True, text=stdin is None)
+
+
+def predict(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    return run_mtbert("predict", "--threads", "1", *args, stdin=stdin)
+
+
+HEAVY = ("torch", "transformers", "pandas", "pyarrow", "scipy")
+
+
+@pytest.mark.parametrize("source", ["model", "ensemble"])
+def test_the_fast_path_imports_no_torch(deployed, source):
+    target = ["--model", str(deployed.exports / "bi")] if source == "model" else \
+        ["--ensemble", str(deployed.ensemble_file), "--models-dir", str(deployed.exports)]
+    code = ("import sys, json\nfrom mtbert.cli import app\n"
+            f"app({['predict', *target, '--task', 'sts', 'A dog runs.', 'A dog is running.']!r}, "
+            "standalone_mode=False)\n"
+            f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    prediction, imported = result.stdout.splitlines()
+    assert set(json.loads(prediction)["sts"]) == {"score", "label"}
+    assert json.loads(imported) == []
+
+
+def lines(result: subprocess.CompletedProcess) -> list[dict]:
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def assert_same_output(onnx: list[dict], pytorch: list[dict]) -> None:
+    """Same rows, keys and texts; values within the tolerance; the labels of class tasks equal."""
+    assert len(onnx) == len(pytorch)
+    for fast, slow in zip(onnx, pytorch, strict=True):
+        assert fast.keys() == slow.keys()
+        for key in fast:
+            if not isinstance(fast[key], dict):
+                assert fast[key] == slow[key]
+                continue
+            assert fast[key].keys() == slow[key].keys()
+            for column, value in fast[key].items():
+                if isinstance(value, float):
+                    assert value == pytest.approx(slow[key][column], abs=TOLERANCE)
+                else:
+                    assert value == slow[key][column] and type(value) is type(slow[key][column])
+
+
+def test_the_command_on_exports_gives_the_pytorch_commands_output(deployed, tmp_path):
+    pairs = dev_texts(deployed, "sts")[:6]
+    jsonl = "".join(json.dumps({"id": f"r{i}", "sentence1": a, "sentence2": b}) + "\n"
+                    for i, (a, b) in enumerate(pairs))
+    (tmp_path / "pairs.jsonl").write_text(jsonl)
+    for variant in VARIANTS:
+        outputs = [lines(predict("--model", folder / variant, "--task", "sts", "--task", "qqp",
+                                 "--input", tmp_path / "pairs.jsonl"))
+                   for folder in (deployed.exports, deployed.models)]
+        assert_same_output(*outputs)
+        outputs = [lines(predict("--model", folder / variant, "--task", "sst", "A gorgeous, witty film.", "Dull."))
+                   for folder in (deployed.exports, deployed.models)]
+        assert_same_output(*outputs)
+    tsv = "sentence1\tsentence2\n" + "".join(f"{a}\t{b}\n" for a, b in pairs)
+    outputs = [lines(subprocess_text(predict("--ensemble", deployed.ensemble_file, "--models-dir", folder,
+                                             "--task", "sts", "--input", "-", stdin=tsv.encode())))
+               for folder in (deployed.exports, deployed.models)]
+    assert_same_output(*outputs)
+    written = predict("--model", deployed.exports / "bi", "--task", "sst", "Fine.", "--output", tmp_path / "o.jsonl")
+    assert written.returncode == 0 and written.stdout == ""
+    assert json.loads((tmp_path / "o.jsonl").read_text())["sentence"] == "Fine."
+
+
+def subprocess_text(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """A run given bytes on stdin, its output as text."""
+    return subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode(), result.stderr.decode())
+
+
+@pytest.mark.parametrize(("arguments", "stdin", "message"), [
+    (["--task", "sst", "  "], None, r"^error: input row 1: sentence is empty; expected a non-empty text$"),
+    (["--task", "sts", "one", "two", "three"], None, r"^error: 3 text arguments do not make pairs"),
+    (["--task", "sts", "--input", "-"], b'{"sentence1": "a dog"}\n', r"^error: stdin row 1: no 'sentence2'"),
+    (["--task", "sst", "--input", "-"], b"sentence\n\xffbad\n",
+     r"^error: stdin: not UTF-8 text \(byte 0xff at offset 9\)$"),
+    (["--task", "nope", "x"], None, r"^error: unknown task 'nope'"),
+    (["--task", "sst", "--task", "sts", "x"], None, r"^error: tasks sst, sts mix single sentences and pairs"),
+    (["--task", "sst", "--input", "-"], b"sentence\n\n", r"^error: stdin: no rows; expected sentence per row$"),
+])
+def test_bad_input_is_the_same_one_line_on_both_engines(deployed, arguments, stdin, message):
+    errors = []
+    for folder in (deployed.exports, deployed.models):
+        result = predict("--model", folder / "cross", *arguments, stdin=stdin if stdin is not None else b"")
+        errors.append(result.stderr.decode().strip().splitlines())
+        assert result.returncode == 1 and len(errors[-1]) == 1 and re.search(message, errors[-1][0]), result.stderr
+    assert errors[0] == errors[1]
+
+
+def test_an_engine_that_cannot_run_the_folder_is_one_line(deployed):
+    cases = [(["--model", deployed.exports / "cross", "--engine", "torch"],
+              rf"^error: {deployed.exports / 'cross'} is an export \(ONNX graphs\), which PyTorch cannot run"),
+             (["--model", deployed.models / "cross", "--engine", "onnx"],
+              rf"^error: {deployed.models / 'cross'} is not an export \(no manifest.json\).*`mtbert export --model "),
+             (["--model", deployed.exports / "cross", "--bf16"], r"^error: --bf16 is for --engine torch"),
+             (["--model", deployed.exports / "cross", "--engine", "gpu"], r"^error: --engine 'gpu': expected one of "
+                                                                           r"auto, onnx, int8, torch$")]
+    for arguments, message in cases:
+        result = predict(*arguments, "--task", "sst", "a film")
+        errors = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and len(errors) == 1 and re.search(message, errors[0]), result.stderr
+
+
+def test_a_changed_or_missing_export_file_is_one_line_naming_it(deployed, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(deployed.exports / "cross", copy)
+    graph = copy / "sst.onnx"
+    graph.write_bytes(graph.read_bytes()[:-1] + b"\x00")
+    result = predict("--model", copy, "--task", "sst", "a film", "--engine", "onnx")
+    assert result.returncode == 1 and re.fullmatch(rf"error: {graph} has sha256 [0-9a-f]{{64}}, but "
+                                                   rf"{copy / 'manifest.json'} expects [0-9a-f]{{64}}: the file "
+                                                   r"changed after it was written \(write the folder again\)\n",
+                                                   result.stderr), result.stderr
+    (copy / "tokenizer.json").unlink()
+    result = predict("--model", copy, "--task", "sst", "a film")
+    assert result.returncode == 1 and result.stderr == \
+        f"error: {copy / 'tokenizer.json'} is missing; {copy / 'manifest.json'} lists it\n"

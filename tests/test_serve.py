@@ -1,0 +1,199 @@
+"""`mtbert serve`: the real server in its own process on a loopback port, called over HTTP by concurrent
+clients; its results are the engine's, every limit and bad input gets its status and one-line message,
+and it goes on answering."""
+
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from bench.deploy import free_port, start_server, stop_server
+from mtbert.deploy.engine import OnnxPredictor
+from tests.conftest import REPO_ROOT
+
+LIMITS = {"max_texts": 4, "max_chars": 200, "max_body_bytes": 2000}
+STARTUP_SECONDS = 300  # generous: a loaded machine (the other test workers) slows the start
+
+
+@pytest.fixture(scope="module")
+def server(deployed, tmp_path_factory):
+    process, url = start_server(tmp_path_factory.mktemp("serve") / "stderr.log",
+                                "--model", deployed.exports / "bi", "--engine", "onnx", "--threads", "1",
+                                "--batch-wait-ms", "50", "--max-batch", "16",
+                                *(f"--{key.replace('_', '-')}={value}" for key, value in LIMITS.items()),
+                                timeout=STARTUP_SECONDS)
+    yield url
+    stop_server(process)
+
+
+def requests_and_expected(deployed) -> list[tuple[dict, list[dict]]]:
+    """Requests of every task, and what the engine itself answers to each."""
+    engine = OnnxPredictor.load(deployed.exports / "bi", engine="onnx", threads=1)
+    bodies = [{"task": "sst", "texts": ["A gorgeous, witty film."]},
+              {"task": "sst", "texts": ["Dull.", "  It 's a -LRB- lovely -RRB- film . "]},
+              {"task": "qqp", "texts": [["How do I cook rice?", "How to cook rice?"]]},
+              {"task": "sts", "texts": [["A dog runs.", "A dog is running."], ["A man sings.", "A cat sleeps."]]},
+              {"task": "sts", "texts": [["Two dogs play.", "Dogs are playing."]]}]
+    return [(body, engine.predict(body["task"], [tuple(t) if isinstance(t, list) else t for t in body["texts"]]))
+            for body in bodies]
+
+
+def assert_results_equal(got: list[dict], expected: list[dict]) -> None:
+    assert len(got) == len(expected)
+    for row, want in zip(got, expected, strict=True):
+        assert row.keys() == want.keys()
+        for key, value in row.items():  # the batch a request joins changes the padding, not the values
+            assert value == pytest.approx(want[key], abs=1e-5)
+
+
+def test_concurrent_requests_get_the_engines_results_in_shared_batches(server, deployed):
+    cases = requests_and_expected(deployed) * 6  # 30 requests, sent 15 at a time
+    with httpx.Client(base_url=server, timeout=60) as client, ThreadPoolExecutor(15) as pool:
+        before = client.get("/health").json()
+        responses = list(pool.map(lambda case: client.post("/predict", json=case[0]), cases))
+        after = client.get("/health").json()
+    for response, (body, expected) in zip(responses, cases, strict=True):
+        assert response.status_code == 200, response.text
+        assert response.json()["task"] == body["task"]
+        assert_results_equal(response.json()["results"], expected)
+    assert after["requests"] - before["requests"] == len(cases)
+    assert after["engine_calls"] - before["engine_calls"] < len(cases)  # requests shared engine calls
+
+
+def test_tasks_and_health_describe_the_model(server):
+    tasks = httpx.get(f"{server}/tasks").json()["tasks"]
+    assert tasks["sst"] == {"kind": "classification", "text": ["sentence"],
+                            "results": [*(f"prob_{c}" for c in range(5)), "label"]}
+    assert tasks["sts"] == {"kind": "regression", "text": ["sentence1", "sentence2"], "results": ["score", "label"]}
+    health = httpx.get(f"{server}/health").json()
+    assert health["status"] == "ok" and health["tasks"] == ["sst", "qqp", "sts"]
+
+
+def chunks(data: bytes, size: int = 500):
+    for start in range(0, len(data), size):
+        yield data[start:start + size]
+
+
+OVERSIZED = b'{"task": "sst", "texts": ["' + b"a" * 2100 + b'"]}'
+REFUSALS = [
+    # (what is sent, status, the one-line message)
+    ({"content": b'{"task": "sst", "texts": ['}, 400, r"^the body is not valid JSON \(Expecting value: line 1"),
+    ({"content": b"\xff\xfe\x00"}, 400, r"^the body is not valid JSON"),
+    ({"content": b"[" * 1900}, 400, r"^the body is not valid JSON"),
+    ({"json": ["sst"]}, 422, r'^expected a JSON object \{"task": \.\.\., "texts": \[\.\.\.\]\}$'),
+    ({"json": {"task": "sst", "texts": ["x"], "id": 1}}, 422, r"^unknown key 'id'; a request has task and texts$"),
+    ({"json": {"texts": ["x"]}}, 422, r"^task: expected the name of a task \(sst, qqp, sts\), got null$"),
+    ({"json": {"task": "nli", "texts": ["x"]}}, 404, r"^unknown task 'nli'; this model predicts sst, qqp, sts$"),
+    ({"json": {"task": "sst", "texts": []}}, 422, r"^texts: expected a non-empty list of texts"),
+    ({"json": {"task": "sst", "texts": "one text"}}, 422, r"^texts: expected a non-empty list of texts"),
+    ({"json": {"task": "sst", "texts": ["a", 5]}}, 422, r"^texts row 2: expected a string \(a pair task: a list of "
+                                                        r"two strings\), got 5$"),
+    ({"json": {"task": "sst", "texts": ["a", "  "]}}, 422, r"^texts row 2: sentence is empty; expected a non-empty "
+                                                           r"text$"),
+    ({"json": {"task": "sts", "texts": [["only one side"]]}}, 422, r"^texts row 1: task sts reads a pair of "
+                                                                   r"sentences \(sentence1, sentence2\), got 1 text"),
+    ({"json": {"task": "sst", "texts": ["a"] * 5}}, 413, r"^texts: 5 texts, over the limit of 4 per request "
+                                                         r"\(--max-texts\)$"),
+    ({"json": {"task": "sts", "texts": [["a", "b" * 201]]}}, 413, r"^texts row 1: a text of 201 characters, over the "
+                                                                  r"limit of 200 per text \(--max-chars\)$"),
+    ({"content": OVERSIZED}, 413, rf"^request body of {len(OVERSIZED)} bytes is over the limit of 2000 bytes "
+                                  r"\(--max-body-bytes\)$"),
+    ({"content": chunks(b" " * 2500)}, 413, r"^request body is over the limit of 2000 bytes \(--max-body-bytes\)$"),
+]
+
+
+@pytest.mark.parametrize(("sent", "status", "message"), REFUSALS)
+def test_every_limit_and_bad_input_is_refused_in_one_line_and_the_server_goes_on(server, sent, status, message):
+    response = httpx.post(f"{server}/predict", timeout=30, **sent)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(response.json()) == {"error"} and "\n" not in error and re.search(message, error), error
+    assert httpx.post(f"{server}/predict", json={"task": "sst", "texts": ["Fine."]}).status_code == 200
+
+
+def test_unknown_paths_and_methods_are_refused_in_json(server):
+    missing = httpx.get(f"{server}/nothing")
+    assert missing.status_code == 404 and missing.json() == {
+        "error": "not found: GET /nothing; the API has POST /predict, GET /tasks, GET /health"}
+    wrong = httpx.get(f"{server}/predict")
+    assert wrong.status_code == 405 and wrong.json()["error"].startswith("method not allowed: GET /predict")
+
+
+def test_several_workers_serve_the_same_results(deployed, tmp_path):
+    process, url = start_server(tmp_path / "stderr.log", "--model", deployed.exports / "bi", "--workers", "2",
+                                "--threads", "1", timeout=STARTUP_SECONDS)
+    try:
+        cases = requests_and_expected(deployed)
+        with httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(4) as pool:
+            responses = list(pool.map(lambda case: client.post("/predict", json=case[0]), cases * 2))
+        for response, (_, expected) in zip(responses, cases * 2, strict=True):
+            assert response.status_code == 200, response.text
+            assert_results_equal(response.json()["results"], expected)
+    finally:
+        stop_server(process)
+    assert process.returncode is not None
+
+
+def test_a_folder_that_cannot_be_served_stops_the_command_in_one_line(deployed, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mtbert.cli", "serve", "--model", str(tmp_path / "none"),
+                             "--engine", "onnx", "--port", str(free_port())], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=STARTUP_SECONDS)
+    assert result.returncode == 1 and result.stderr == f"error: {tmp_path / 'none'} is not an export (no " \
+        f"manifest.json), so ONNX Runtime cannot run it; write one with `mtbert export --model {tmp_path / 'none'} " \
+        "--out exports/none` (or `dvc repro export@<variant>`), or use --engine torch\n"
+
+
+def test_the_engines_error_reaches_the_client_as_a_500_and_the_server_goes_on(deployed):
+    """An engine that fails mid-batch (here: a predictor that raises) fails those requests only."""
+    import asyncio
+
+    from mtbert.deploy.server import Batching, create_app
+
+    class Failing:
+        tasks = OnnxPredictor.load(deployed.exports / "bi").tasks
+
+        def predict(self, task, rows):
+            if rows[0][0] == "boom":
+                raise RuntimeError("the engine broke")
+            return [{"score": 1.0, "label": 1.0} for _ in rows]
+
+    async def scenario():
+        app = create_app(Failing(), batching=Batching(wait_ms=0))
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport,
+                                                                        base_url="http://test") as client:
+            broken = await client.post("/predict", json={"task": "sst", "texts": ["boom"]})
+            fine = await client.post("/predict", json={"task": "sst", "texts": ["fine"]})
+        return broken, fine
+
+    broken, fine = asyncio.run(scenario())
+    assert broken.status_code == 500 and broken.json() == {"error": "internal error: RuntimeError: the engine broke"}
+    assert fine.status_code == 200 and fine.json()["results"] == [{"score": 1.0, "label": 1.0}]
+
+
+def test_a_trained_folder_is_served_by_pytorch_with_the_same_api(deployed):
+    """The server takes any predictor: here PyTorch's, on the trained folder, in this process."""
+    import asyncio
+
+    from mtbert.deploy.server import create_app
+    from mtbert.inference import Predictor
+
+    predictor = Predictor.load(deployed.models / "cross", batch_size=8)
+    pairs = [["A dog runs.", "A dog is running."], ["A man sings.", "A cat sleeps."]]
+
+    async def scenario():
+        app = create_app(predictor)
+        transport = httpx.ASGITransport(app=app)
+        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport,
+                                                                        base_url="http://test") as client:
+            return await asyncio.gather(client.post("/predict", json={"task": "sts", "texts": pairs}),
+                                        client.get("/tasks"))
+
+    predicted, tasks = asyncio.run(scenario())
+    assert predicted.status_code == 200
+    assert_results_equal(predicted.json()["results"], predictor.predict("sts", [tuple(p) for p in pairs]))
+    assert tasks.json()["tasks"]["qqp"] == {"kind": "binary", "text": ["sentence1", "sentence2"],
+                                            "results": ["prob", "label"]}
