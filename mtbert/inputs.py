@@ -8,6 +8,7 @@ Imports nothing heavy, so the ONNX engine's command starts fast. A task here is 
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,10 +38,23 @@ def check_texts(task, texts: Sequence[Text], where: str = "input") -> list[tuple
             raise InputError(f"{where} row {index}: task {task.name} reads {kind} "
                              f"({', '.join(task.text_columns)}), got {len(row)} text(s)")
         for column, value in zip(task.text_columns, row, strict=True):
-            if not isinstance(value, str) or not value.strip():
-                raise InputError(f"{where} row {index}: {column} is empty; expected a non-empty text")
+            if not isinstance(value, str) or not has_visible_text(value):
+                raise InputError(f"{where} row {index}: {column} is empty or invisible; expected a text with "
+                                 "at least one visible character")
         rows.append(row)
     return rows
+
+
+# Unicode categories that show nothing: separators (Z*: spaces, line and paragraph separators) and "other"
+# (C*: controls, format characters such as U+200B ZERO WIDTH SPACE and U+FEFF, unassigned, private use).
+INVISIBLE_CATEGORIES = ("Z", "C")
+
+
+def has_visible_text(text: str) -> bool:
+    """Whether `text`, NFKC-normalised, holds a character that shows: a text of only spaces, zero-width or
+    other format characters is empty to a reader, and the tokenizer would see nothing (or [UNK]) in it."""
+    return any(not unicodedata.category(char).startswith(INVISIBLE_CATEGORIES)
+               for char in unicodedata.normalize("NFKC", text))
 
 
 def clean(text: str, replacements: Sequence[Sequence[str]]) -> str:

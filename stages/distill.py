@@ -29,7 +29,7 @@ from mtbert.data.tasks import tasks_from_params
 from mtbert.evaluation.metrics import headline_summary
 from mtbert.evaluation.teacher import ensemble_members, ensemble_teacher
 from mtbert.model.card import CARD_FILE, student_card
-from mtbert.model.saved import CONFIG_FILE, load_model
+from mtbert.model.saved import CONFIG_FILE, load_model, write_checksums
 from mtbert.params import DistillParams, Params, ParamsError, deep_merge, load_params, merged_variant, parse_section
 from mtbert.runtime import limit_memory_growth, run_app, setup_logging, use_bf16
 from mtbert.training import finetune
@@ -88,6 +88,7 @@ def describe_student(model_dir: Path, summary: dict, params: Params, record: dic
     io.write_json(model_dir / CONFIG_FILE, {**config, "distill": record})
     card = student_card(summary, config["params"], tasks_from_params(params.tasks), str(model_dir), record)
     io.write_text(model_dir / CARD_FILE, card)
+    write_checksums(model_dir)  # of the files as they now are
 
 
 @app.command()

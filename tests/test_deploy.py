@@ -267,7 +267,9 @@ def subprocess_text(result: subprocess.CompletedProcess) -> subprocess.Completed
 
 
 @pytest.mark.parametrize(("arguments", "stdin", "message"), [
-    (["--task", "sst", "  "], None, r"^error: input row 1: sentence is empty; expected a non-empty text$"),
+    (["--task", "sst", "  "], None,
+     r"^error: input row 1: sentence is empty or invisible; expected a text with at least one visible character$"),
+    (["--task", "sst", "ok", "\u200b\u2060\ufeff"], None, r"^error: input row 2: sentence is empty or invisible"),
     (["--task", "sts", "one", "two", "three"], None, r"^error: 3 text arguments do not make pairs"),
     (["--task", "sts", "--input", "-"], b'{"sentence1": "a dog"}\n', r"^error: stdin row 1: no 'sentence2'"),
     (["--task", "sst", "--input", "-"], b"sentence\n\xffbad\n",

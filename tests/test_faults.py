@@ -106,19 +106,22 @@ def foreign_heads(path: Path) -> None:
     save_file({"classifier.weight": torch.zeros(2, 2)}, str(path))  # a whole file, of another model's heads
 
 
-# (fault, the file it breaks relative to the kept epoch's folder or the model folder, what the line says)
+# (fault, the file it breaks relative to the kept epoch's folder or the model folder, what the line says after
+# the file's name). Files the libraries read are checked first, for a precise line; the checksums, read after
+# them, catch what a library reads without a word (changed weights) and the files read later (the tokenizer).
 MODEL_FAULTS = {
     "heads cut short": (lambda p: truncate(p), "heads.safetensors",
-                        "not a whole safetensors file (incomplete metadata, file not fully covered); expected the "
+                        ": not a whole safetensors file (incomplete metadata, file not fully covered); expected the "
                         "weights as they were written: restore the folder (`dvc checkout`) or retrain"),
-    "heads of another model": (foreign_heads, "heads.safetensors", "not the heads mtbert.json declares ("),
+    "heads of another model": (foreign_heads, "heads.safetensors", ": not the heads mtbert.json declares ("),
     "encoder weights cut short": (lambda p: truncate(p), "encoder/model.safetensors",
-                                  "not a whole safetensors file (incomplete metadata, file not fully covered)"),
-    "encoder config cut short": (lambda p: truncate(p, 0.3), "encoder/config.json",
-                                 "not valid JSON at line "),
-    "tokenizer.json cut short": (lambda p: truncate(p, 0.3), "encoder/tokenizer.json", "not valid JSON at line "),
-    "tokenizer.json gone": (lambda p: p.unlink(), "encoder/tokenizer.json", None),
-    "mtbert.json cut short": (lambda p: truncate(p, 0.5), "../mtbert.json", "not valid JSON at line "),
+                                  ": not a whole safetensors file (incomplete metadata, file not fully covered)"),
+    "64 bytes overwritten in the encoder's weights": (overwrite_middle, "encoder/model.safetensors", " has sha256 "),
+    "encoder config cut short": (lambda p: truncate(p, 0.3), "encoder/config.json", ": not valid JSON at line "),
+    "tokenizer.json cut short": (lambda p: truncate(p, 0.3), "encoder/tokenizer.json", " has sha256 "),
+    "tokenizer.json gone": (lambda p: p.unlink(), "encoder/tokenizer.json", " is missing; "),
+    "mtbert.json cut short": (lambda p: truncate(p, 0.5), "../mtbert.json", ": not valid JSON at line "),
+    "checksums gone": (lambda p: p.unlink(), "../checksums.json", " is missing; expected the manifest written with "),
 }
 
 
@@ -132,11 +135,7 @@ def test_a_broken_model_folder_file_is_one_line_from_mtbert_predict(tmp_path, tr
     before = digests(model)
     result = run(predict_command(model, tmp_path / "out.jsonl"))
     line = one_line_error(result)
-    if says is None:  # a missing tokenizer.json: the folder is named, with the files it lacks
-        assert line.startswith(f"error: {broken.parent}: no tokenizer vocabulary (expected tokenizer.json or "
-                               "vocab.txt"), line
-    else:
-        assert line.startswith(f"error: {broken}: {says}"), line
+    assert line.startswith(f"error: {broken}{says}"), line
     assert not (tmp_path / "out.jsonl").exists()
     assert digests(model) == before  # nothing read was changed
 

@@ -296,7 +296,8 @@ def test_command_reads_files_and_arguments_and_matches_the_dumps(repo, tmp_path)
 
 
 @pytest.mark.parametrize(("arguments", "stdin", "message"), [
-    (["--task", "sst", "  "], None, r"^error: input row 1: sentence is empty; expected a non-empty text$"),
+    (["--task", "sst", "  "], None,
+     r"^error: input row 1: sentence is empty or invisible; expected a text with at least one visible character$"),
     (["--task", "sts", "one", "two", "three"], None, r"^error: 3 text arguments do not make pairs"),
     (["--task", "sts", "--input", "-"], b'{"sentence1": "a dog"}\n', r"^error: stdin row 1: no 'sentence2'"),
     (["--task", "sst", "--input", "-"], b"sentence\n\xffbad\n",
@@ -323,7 +324,7 @@ def test_a_bad_model_folder_is_one_line_naming_what_is_wrong(repo, tmp_path):
     config = json.loads((old / "mtbert.json").read_text())
     (old / "mtbert.json").write_text(json.dumps({**config, "format": 1}))
     for folder, message in ((broken, r"epoch-1/heads.safetensors is missing"),
-                            (old, r"a model folder of format 1; this mtbert reads format 2"),
+                            (old, r"a model folder of format 1; this mtbert reads format 3"),
                             (tmp_path / "none", r"none/mtbert.json is missing")):
         result = mtbert(repo, "--model", str(folder), "--task", "sst", "a film", "--output", str(tmp_path / "o"))
         lines = result.stderr.decode().strip().splitlines()

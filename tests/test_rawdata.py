@@ -49,8 +49,9 @@ def test_labels_are_parsed_into_their_domain(raw_dir):
 @pytest.mark.parametrize(("row", "reason", "detail"), [
     ("9\t\tx\ty\t1.0", "missing_id", "the id column is empty"),
     ("9\tq1\tx\ty\t1.0", "duplicate_id", "id already used at row 1"),
-    ("9\tq9\t   \ty\t1.0", "empty_text", "column 'sentence1' is empty"),
-    ("9\tq9\tx\t\t1.0", "empty_text", "column 'sentence2' is empty"),
+    ("9\tq9\t   \ty\t1.0", "empty_text", "column 'sentence1' is empty or invisible"),
+    ("9\tq9\t\u200b\u200b\ty\t1.0", "empty_text", "column 'sentence1' is empty or invisible"),
+    ("9\tq9\tx\t\t1.0", "empty_text", "column 'sentence2' is empty or invisible"),
     ("9\tq9\tx\ty\t", "missing_label", "column 'is_duplicate' is empty"),
     ("9\tq9\tx\ty", "missing_label", "column 'is_duplicate' is empty"),
     ("9\tq9\tx\ty\tyes", "label_not_a_number", "label 'yes'"),
@@ -137,3 +138,12 @@ def test_empty_and_missing_files_are_clear_errors(tmp_path):
         read_split(write(tmp_path / "ids-sst-dev.csv", ""), TASKS["sst"], "dev")
     with pytest.raises(RawDataError, match="file not found; run `dvc pull data/raw.dvc`"):
         read_split(tmp_path / "nope.csv", TASKS["sst"], "dev")
+
+
+def test_a_text_is_visible_when_a_character_shows_after_unicode_normalisation():
+    from mtbert.inputs import has_visible_text
+
+    invisible = ["", "  \t\n", "\u200b\u200b", "\u00a0\u3000", "\ufeff\u2060\u200d", "\u202e\u0007"]
+    assert not any(has_visible_text(text) for text in invisible)
+    assert all(has_visible_text(text) for text in ["a", "\u200bok\u200b", "\uff21", "\u00e9", "\u4e00", "?"])
+

@@ -91,8 +91,8 @@ REFUSALS = [
     ({"json": {"task": "sst", "texts": "one text"}}, 422, r"^texts: expected a non-empty list of texts"),
     ({"json": {"task": "sst", "texts": ["a", 5]}}, 422, r"^texts row 2: expected a string \(a pair task: a list of "
                                                         r"two strings\), got 5$"),
-    ({"json": {"task": "sst", "texts": ["a", "  "]}}, 422, r"^texts row 2: sentence is empty; expected a non-empty "
-                                                           r"text$"),
+    ({"json": {"task": "sst", "texts": ["a", "\u200b "]}}, 422, r"^texts row 2: sentence is empty or invisible; "
+                                                                r"expected a text with at least one visible char"),
     ({"json": {"task": "sts", "texts": [["only one side"]]}}, 422, r"^texts row 1: task sts reads a pair of "
                                                                    r"sentences \(sentence1, sentence2\), got 1 text"),
     ({"json": {"task": "sst", "texts": ["a"] * 5}}, 413, r"^texts: 5 texts, over the limit of 4 per request "

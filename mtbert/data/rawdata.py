@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from mtbert.data.tasks import Task
+from mtbert.inputs import has_visible_text
 from mtbert.runtime import UserError
 
 # Checked in this order; a row is rejected for the first reason that applies.
@@ -134,7 +135,7 @@ def _row_problems(table: pd.DataFrame, ids: pd.Series, texts: dict[str, pd.Serie
     flag(ids.duplicated(keep="first") & (ids != ""), "duplicate_id",
          "id already used at row " + first_row.astype(str))
     for column, text in texts.items():
-        flag(text == "", "empty_text", f"column {column!r} is empty")
+        flag(~text.map(has_visible_text), "empty_text", f"column {column!r} is empty or invisible")
     if task.is_labeled(split):
         _flag_label_problems(table[task.label_column].str.strip(), task, flag)
     return reasons, details

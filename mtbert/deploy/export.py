@@ -4,10 +4,14 @@ token ids to the task's prediction, its int8 version, the tokenizer and a manife
 A task's graph is its whole path as `predict_split` runs it: its encoder (for CerBERTus the shared layers
 and the task's own, from the epoch the task kept), pooling, head and the kind's output (class
 probabilities, P(label 1), or the score); for a bi-encoder both sentences through the encoder and their
-combination. torch's own exporter writes it (`torch.onnx.export`, the torch.export-based one), with
-dynamic batch and sequence axes. ONNX Runtime then runs each graph, through the engine that deploys it
-(mtbert/deploy/engine.py), on the first `export.check_rows` dev rows beside PyTorch; a value that differs
-by more than `export.tolerance` fails the export, naming the task.
+combination. torch's TorchScript exporter writes it (`torch.onnx.export(dynamo=False)`), with dynamic
+batch and sequence axes and the encoder's attention in its eager form, and ONNX Runtime's transformer
+optimizer then fuses each layer into its own BERT kernels (Attention, SkipLayerNormalization, BiasGelu,
+EmbedLayerNormalization). The torch.export-based exporter's graph of the same model (sdpa or eager) gets
+no Attention fusion: its masking is a different pattern of ops, which the optimizer does not recognise, and
+a one-sentence call then runs about a hundred small ops. ONNX Runtime then runs each graph, through the
+engine that deploys it (mtbert/deploy/engine.py), on the first `export.check_rows` dev rows beside
+PyTorch; a value that differs by more than `export.tolerance` fails the export, naming the task.
 
 With `export.int8`, ONNX Runtime's dynamic quantization writes int8 graphs (quantize.py). Both engines
 predict the whole dev split; their dev metrics go into the export's metrics, and int8 becomes the default
@@ -29,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from mtbert import io
 from mtbert.data.batches import TaskSplit, load_split
@@ -178,23 +183,54 @@ def task_entry(task: Task, encoding: str, unescape_ptb: bool) -> dict:
 
 
 def export_graph(model: nn.Module, task: str, encoding: str, tokenizer, path: Path, opset: int) -> None:
-    """The task's ONNX graph, batch and sequence axes dynamic, traced on EXAMPLE_ROWS."""
+    """The task's ONNX graph, batch and sequence axes dynamic, traced on EXAMPLE_ROWS, its layers fused."""
     own = model.for_task(task) if isinstance(model, TaskSnapshots) else model
     graph = (PairGraph if encoding == "bi" else TaskGraph)(own, task).eval()
     names = GRAPH_INPUTS[encoding]
     tokens = encode(tokenizer, encoding, EXAMPLE_ROWS)
     feed = batch_feed(encoding, tokens, np.arange(len(EXAMPLE_ROWS)))
-    with quiet_exporter(), torch.no_grad():
-        torch.onnx.export(graph, tuple(torch.from_numpy(feed[name]) for name in names), str(path), dynamo=True,
+    with eager_attention(own), quiet_exporter(), torch.no_grad():
+        torch.onnx.export(graph, tuple(torch.from_numpy(feed[name]) for name in names), str(path), dynamo=False,
                           input_names=list(names), output_names=["prediction"], opset_version=opset,
-                          dynamic_shapes=dynamic_axes(names), external_data=False)
+                          dynamic_axes=dynamic_axes(names))
+    fuse_layers(path, encoder_config(own))
 
 
 def dynamic_axes(names: tuple[str, ...]) -> dict[str, dict]:
     """Every input's batch axis (one for all) and sequence axis (a bi-encoder's two sentences each their own)."""
-    batch = torch.export.Dim("batch")
-    sequences = {side: torch.export.Dim(f"sequence{side}") for side in ("", "_1", "_2")}
-    return {name: {0: batch, 1: sequences[name[-2:] if name[-2:] in ("_1", "_2") else ""]} for name in names}
+    return {name: {0: "batch", 1: "sequence" + (name[-2:] if name[-2:] in ("_1", "_2") else "")} for name in names}
+
+
+@contextlib.contextmanager
+def eager_attention(model: nn.Module) -> Iterator[None]:
+    """The model's encoders with eager attention (explicit matmuls, softmax and mask) while exporting, the
+    form ONNX Runtime's optimizer fuses into its Attention kernel; their own implementation after."""
+    encoders = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
+    before = [encoder.config._attn_implementation for encoder in encoders]
+    for encoder in encoders:
+        encoder.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        for encoder, implementation in zip(encoders, before, strict=True):
+            encoder.set_attn_implementation(implementation)
+
+
+def encoder_config(model: nn.Module):
+    return next(module for module in model.modules() if isinstance(module, PreTrainedModel)).config
+
+
+def fuse_layers(path: Path, config) -> None:
+    """Rewrite the graph at `path` with ONNX Runtime's BERT fusions (the rewrite keeps every value; the
+    export's parity check against PyTorch runs on the fused graph)."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    with quiet_exporter():
+        fused = optimize_model(str(path), model_type="bert", num_heads=config.num_attention_heads,
+                               hidden_size=config.hidden_size)
+    counts = {name: count for name, count in fused.get_fused_operator_statistics().items() if count}
+    log.info("%s: fused %s", path.name, ", ".join(f"{count} {name}" for name, count in counts.items()))
+    fused.save_model_to_file(str(path))
 
 
 @contextlib.contextmanager

@@ -16,10 +16,14 @@ from pathlib import Path
 
 def quantize(source: Path, target: Path, *, per_channel: bool) -> None:
     """Write the int8 version of the fp32 graph `source` to `target`."""
+    from onnx import TensorProto
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    # ONNX's shape inference gives no type to the outputs of ONNX Runtime's fused ops (Attention,
+    # SkipLayerNormalization): in a graph of BERT in float32 every such tensor is float32.
     with _quiet_preprocessing_advice():
-        quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8, per_channel=per_channel)
+        quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8, per_channel=per_channel,
+                         extra_options={"DefaultTensorType": TensorProto.FLOAT})
 
 
 class _DropAdvice(logging.Filter):

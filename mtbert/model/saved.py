@@ -7,9 +7,10 @@ tokenizer), one more save_pretrained folder per other encoder of its arch (`enco
 A trained variant (`models/<variant>/`) keeps each task at the epoch it chose: `mtbert.json` with
 `task_epochs` (task -> epoch) and one snapshot folder `epoch-<E>/` per distinct chosen epoch. Where tasks
 share layers (every arch but `independent`), each task needs the shared layers of its own epoch, so a
-snapshot is kept whole. Folders are written beside their place and swapped in, never half-written.
-Loading checks every file before the libraries read it (mtbert/model/files.py): one cut short, damaged or
-not what `train` wrote is one line naming it.
+snapshot is kept whole; `checksums.json` records the sha256 of every file (mtbert/integrity.py). Folders
+are written beside their place and swapped in, never half-written. Loading a variant checks the manifest
+every file before the libraries read it (mtbert/model/files.py), then every file's sha256: a file cut short,
+damaged, or changed since `train` wrote it (a bad copy, a flipped block) is one line naming it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mtbert import io
+from mtbert.integrity import verify, write_manifest
 from mtbert.model.architectures import SHARED_DIR
 from mtbert.model.card import CARD_FILE
 from mtbert.model.files import ModelFolderError, load_local_encoder, load_safetensors
@@ -29,8 +31,10 @@ from mtbert.model.multitask import MultitaskModel
 
 CONFIG_FILE = "mtbert.json"
 HEADS_FILE = "heads.safetensors"
-# The layout of a variant's folder; 2: per-task epochs in epoch-<E>/ snapshot folders.
-MODEL_FORMAT = 2
+# The sha256 of every file of a variant's folder (an export's is its manifest.json, which also says what it is).
+CHECKSUMS_FILE = "checksums.json"
+# The layout of a variant's folder; 2: per-task epochs in epoch-<E>/ snapshot folders; 3: with checksums.json.
+MODEL_FORMAT = 3
 # What to do about a model folder whose file is cut short or damaged.
 RESTORE_OR_RETRAIN = "restore the folder (`dvc checkout`) or retrain the variant (`dvc repro train@<variant>`)"
 
@@ -59,6 +63,12 @@ def assemble_model(out_dir: Path, snapshots_dir: Path, task_epochs: dict[str, in
         (temp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         if card is not None:
             (temp / CARD_FILE).write_text(card, encoding="utf-8")
+        write_checksums(temp)
+
+
+def write_checksums(model_dir: Path) -> None:
+    """Record the sha256 of every file of a variant's folder, last, once its files are as they will stay."""
+    write_manifest(model_dir, {"format": MODEL_FORMAT}, CHECKSUMS_FILE)
 
 
 class TaskSnapshots(nn.Module):
@@ -104,6 +114,8 @@ def load_model(model_dir: Path) -> tuple[MultitaskModel | TaskSnapshots, dict]:
     missing = [task for task in next(iter(snapshots.values())).tasks if task not in task_epochs]
     if missing:
         raise ModelFolderError(f"{model_dir / CONFIG_FILE}: task_epochs names no epoch for task {missing[0]!r}")
+    # After loading, so a file cut short is named by what is wrong with it; the manifest catches the rest.
+    verify(model_dir, manifest_name=CHECKSUMS_FILE)
     if len(snapshots) == 1:
         return next(iter(snapshots.values())), config
     return TaskSnapshots(snapshots, task_epochs).eval(), config

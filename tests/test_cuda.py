@@ -1,0 +1,201 @@
+"""The CUDA paths CI cannot run, on the 2-layer backbone: bf16 autocast in train, pretrain and predict, the
+data-parallel collectives on NCCL, and the resume of a killed run (the CUDA generator's state). Skipped
+without a GPU; .gpu/run.sh runs this file on the device machine."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from mtbert.evaluation.predictions import read_dump
+from mtbert.params import load_params, variant_params
+from mtbert.training import distributed
+from mtbert.training.loop import Paths
+from stages.pretrain import pretrain
+from stages.train import fine_tune
+from tests.conftest import REPO_ROOT, TASKS, kill_once_checkpointed, make_params
+from tests.deployed import invoke
+from tests.runs import result_of, run_training, train_command
+from tests.test_distributed import norm, weights, weights_of_backbone
+from tests.test_pretrain import paths_in, pretrain_params
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+FP32, BF16 = {(torch.float32, "cuda")}, {(torch.bfloat16, "cuda")}
+
+
+@contextlib.contextmanager
+def linear_outputs():
+    """The (dtype, device) of every nn.Linear output computed in the block: bf16 only where autocast ran."""
+    seen: set[tuple[torch.dtype, str]] = set()
+
+    def hook(module, inputs, output):
+        if isinstance(module, torch.nn.Linear):
+            seen.add((output.dtype, output.device.type))
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def stage_paths(out: Path, tokenized: Path) -> Paths:
+    """Variant `base` laid out under `out` as `python -m stages.train` lays it out (tests/runs.py reads it)."""
+    return Paths(tokenized=tokenized, model_out=out / "models" / "base", metrics_out=out / "metrics" / "base.json",
+                 live_dir=out / "metrics" / "base", checkpoints=out / "ck" / "base",
+                 snapshots=out / "snapshots" / "base")
+
+
+def train_in_process(out: Path, backbone: Path, tokenized: Path, **train) -> tuple[dict, set]:
+    """One epoch of the `train` stage's run in this process; its summary and the Linear outputs seen."""
+    params = make_params(out, backbone, Path("unused"), heads={task: {"dropout": 0.0} for task in TASKS},
+                         train={"epochs": 1, **train})
+    with linear_outputs() as seen:
+        summary = fine_tune(variant_params(params, "base"), "base", stage_paths(out, tokenized))
+    return summary, seen
+
+
+def assert_trained_alike(expected: Path, got: Path, backbone: Path) -> None:
+    """Two one-epoch runs (stage layout) ended alike: bit for bit, or as close as tests/test_distributed.py
+    has two trainings agree (nearly every weight within 1e-5, the difference a sliver of the training's
+    change): CUDA kernels may add in another order from run to run, as use_deterministic_algorithms(True,
+    warn_only=True) only warns of those with no deterministic version. Prints which it was."""
+    a, b, start = weights(expected), weights(got), weights_of_backbone(backbone)
+    assert a.keys() == b.keys()
+    differing = sum(int(((a[k] - b[k]).abs() > 1e-5).sum()) for k in a) / sum(v.numel() for v in a.values())
+    difference, change = norm({k: a[k] - b[k] for k in a}), norm({k: a[k] - start[k] for k in start})
+    print(f"\n  bit for bit: {all(torch.equal(a[k], b[k]) for k in a)}; weights differing by > 1e-5: "
+          f"{differing:.3%}; difference {difference:.3g} against a training change of {change:.3g}")
+    assert differing < 0.005 and difference < 0.03 * change
+    one, two = result_of(expected)["summary"], result_of(got)["summary"]
+    assert [(e["examples"], e["task_batches"]) for e in one["epochs"]] == \
+           [(e["examples"], e["task_batches"]) for e in two["epochs"]]
+    assert two["dev"]["overall"] == pytest.approx(one["dev"]["overall"], abs=1e-3)
+
+
+@pytest.fixture(scope="module")
+def dropout_free_backbone(tmp_path_factory, tiny_backbone) -> Path:
+    """The 2-layer backbone with dropout off, as tests/test_distributed.py has it: then bf16 and fp32, or two
+    code paths, compute the same network."""
+    path = tmp_path_factory.mktemp("nodropout") / "backbone"
+    shutil.copytree(tiny_backbone, path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory, dropout_free_backbone, tiny_tokenized) -> tuple[Path, dict, set]:
+    """The reference: one epoch in fp32 on the GPU, dropout off (bf16 and NCCL runs are compared with it)."""
+    out = tmp_path_factory.mktemp("fp32")
+    return out, *train_in_process(out, dropout_free_backbone, tiny_tokenized)
+
+
+# bf16 keeps 8 significant bits (0.4% per rounding): same weights give outputs a percent or two apart, and a
+# dozen updates from the same start keep the losses within a few percent; a broken autocast gives NaN or far off.
+def test_train_runs_bf16_autocast_on_the_gpu_close_to_fp32(tmp_path, fp32_run, dropout_free_backbone,
+                                                           tiny_tokenized):
+    _, reference, reference_seen = fp32_run
+    summary, seen = train_in_process(tmp_path, dropout_free_backbone, tiny_tokenized, bf16="auto")
+    assert (reference_seen, seen) == (FP32, BF16)  # `auto` chose bf16 on the GPU, and every layer ran in it
+    assert (reference["speed"]["bf16"], summary["speed"]["bf16"]) == (False, True)
+    losses = {task: (reference["epochs"][0]["train_loss"][task], loss)
+              for task, loss in summary["epochs"][0]["train_loss"].items()}
+    print(f"\n  train loss (fp32, bf16): {losses}; dev overall {reference['dev']['overall']:.4f}, "
+          f"{summary['dev']['overall']:.4f}")
+    assert all(bf16 == pytest.approx(fp32, rel=0.05) for fp32, bf16 in losses.values())
+    assert np.isfinite(summary["dev"]["overall"])  # 16 dev rows of a barely trained model: no closer check
+
+
+def test_pretrain_runs_bf16_autocast_on_the_gpu_close_to_fp32(tmp_path, dropout_free_backbone, tiny_tokenized):
+    runs = {}
+    for bf16 in (False, "auto"):
+        root = tmp_path / str(bf16)
+        root.mkdir()
+        params = load_params(pretrain_params(root, dropout_free_backbone, steps=8, eval_every=8, bf16=bf16))
+        with linear_outputs() as seen:
+            runs[bf16] = pretrain(params, paths_in(root, tiny_tokenized)), seen
+    (fp32, fp32_seen), (bf16, bf16_seen) = runs[False], runs["auto"]
+    assert (fp32_seen, bf16_seen) == (FP32, BF16)
+    assert (fp32["speed"]["bf16"], bf16["speed"]["bf16"]) == (False, True)
+    print(f"\n  held-out loss before, after (fp32): {fp32['before']['loss']:.4f}, {fp32['after']['loss']:.4f}; "
+          f"(bf16): {bf16['before']['loss']:.4f}, {bf16['after']['loss']:.4f}")
+    assert bf16["before"]["loss"] == pytest.approx(fp32["before"]["loss"], rel=0.02)  # the same weights
+    assert bf16["after"]["loss"] == pytest.approx(fp32["after"]["loss"], rel=0.05)
+    assert bf16["after"]["loss"] < bf16["before"]["loss"]
+
+
+def test_predict_runs_bf16_autocast_on_the_gpu_close_to_fp32(tmp_path, fp32_run, dropout_free_backbone,
+                                                             tiny_tokenized):
+    seen = {}
+    for bf16 in (False, "auto"):
+        root = tmp_path / str(bf16)
+        root.mkdir()
+        params = make_params(root, dropout_free_backbone, Path("unused"), extra={"predict": {"bf16": bf16}})
+        with linear_outputs() as seen[bf16]:
+            invoke("stages.predict", "--variant", "base", "--params-file", params, "--tokenized-dir", tiny_tokenized,
+                   "--rejects-file", tiny_tokenized.parent / "rejects.tsv", "--models-dir", fp32_run[0] / "models",
+                   "--predictions-dir", root / "predictions", "--metrics-dir", root / "metrics")
+    assert (seen[False], seen["auto"]) == (FP32, BF16)
+    for task in TASKS.values():
+        for split in ("dev", "test"):
+            fp32_ids, fp32 = read_dump(tmp_path / "False" / "predictions" / "base", task, split)
+            bf16_ids, bf16 = read_dump(tmp_path / "auto" / "predictions" / "base", task, split)
+            print(f"\n  {task.name}-{split}: max |bf16 - fp32| {np.abs(bf16 - fp32).max():.3g}", end="")
+            assert bf16_ids.tolist() == fp32_ids.tolist()
+            np.testing.assert_allclose(bf16, fp32, rtol=0.03, atol=0.03)
+
+
+class GroupOfOne(distributed.Ranks):
+    """Rank 0 of a process group of one, taking the data-parallel code paths. `Ranks.distributed` is False
+    for a single process (so `torchrun --nproc_per_node 1` starts no group at all), and one GPU cannot hold
+    two NCCL ranks: this is how the all-reduces, broadcasts and gathers run on NCCL on a one-GPU machine."""
+    distributed = True
+
+
+def test_training_through_nccl_collectives_equals_the_plain_run(tmp_path, fp32_run, dropout_free_backbone,
+                                                                tiny_tokenized, monkeypatch):
+    devices, real_all_reduce = [], dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        devices.append(tensor.device.type)
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    def init_ranks() -> GroupOfOne:  # what init_ranks does for a rank of torchrun's group, with world size 1
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        return GroupOfOne()
+
+    monkeypatch.setattr(distributed, "init_ranks", init_ranks)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    try:
+        summary, _ = train_in_process(tmp_path, dropout_free_backbone, tiny_tokenized)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    print(f"\n  {len(devices)} NCCL all-reduces", end="")
+    assert devices and set(devices) == {"cuda"}  # every step's gradients went through NCCL
+    assert summary["speed"]["processes"] == 1
+    assert_trained_alike(fp32_run[0], tmp_path, dropout_free_backbone)
+
+
+def test_a_killed_cuda_run_resumes_to_the_uninterrupted_result(tmp_path, tiny_backbone, tiny_tokenized):
+    # dropout on: the resumed run draws the same masks only from the checkpoint's CUDA generator state
+    params = make_params(tmp_path, tiny_backbone, Path("unused"), train={"epochs": 1})
+    run_training(params, tiny_tokenized, tmp_path / "a")
+    command = train_command(params, tmp_path / "b", tiny_tokenized)
+    kill_once_checkpointed(command, tmp_path / "b" / "ck" / "base" / "last.pt")  # at update 3 of 12
+    assert not (tmp_path / "b" / "metrics" / "base.json").exists()
+    subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True)
+    assert_trained_alike(tmp_path / "a", tmp_path / "b", tiny_backbone)
+    assert not (tmp_path / "b" / "ck" / "base").exists()
