@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,21 @@ def tiny_backbone(tmp_path_factory) -> Path:
     encoder.save_pretrained(path)
     load_tokenizer(DEFAULT_BACKBONE).save_pretrained(path)
     # As the `pretrain` stage leaves it (disabled), so `train --pretrained-dir` accepts the folder.
+    (path / PROVENANCE_FILE).write_text(json.dumps({"backbone": str(path), "pretrained": False}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def dropout_free_backbone(tmp_path_factory, tiny_backbone) -> Path:
+    """The 2-layer backbone with dropout off, so two code paths (1 and 2 processes, bf16 and fp32, gloo and
+    NCCL) compute the same network."""
+    from mtbert.model.backbone import PROVENANCE_FILE
+
+    path = tmp_path_factory.mktemp("nodropout")
+    shutil.copytree(tiny_backbone, path, dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (path / "config.json").write_text(json.dumps(config))
     (path / PROVENANCE_FILE).write_text(json.dumps({"backbone": str(path), "pretrained": False}))
     return path
 

@@ -5,8 +5,6 @@ without a GPU; .gpu/run.sh runs this file on the device machine."""
 from __future__ import annotations
 
 import contextlib
-import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -80,18 +78,6 @@ def assert_trained_alike(expected: Path, got: Path, backbone: Path) -> None:
     assert [(e["examples"], e["task_batches"]) for e in one["epochs"]] == \
            [(e["examples"], e["task_batches"]) for e in two["epochs"]]
     assert two["dev"]["overall"] == pytest.approx(one["dev"]["overall"], abs=1e-3)
-
-
-@pytest.fixture(scope="module")
-def dropout_free_backbone(tmp_path_factory, tiny_backbone) -> Path:
-    """The 2-layer backbone with dropout off, as tests/test_distributed.py has it: then bf16 and fp32, or two
-    code paths, compute the same network."""
-    path = tmp_path_factory.mktemp("nodropout") / "backbone"
-    shutil.copytree(tiny_backbone, path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +14,6 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from mtbert.model.backbone import PROVENANCE_FILE
 from mtbert.training.distributed import Ranks, shard
 from tests.conftest import REPO_ROOT, TASKS, kill_once_checkpointed, make_params
 
@@ -27,19 +25,6 @@ def test_shards_are_disjoint_and_cover_the_global_batch(world_size):
     together = np.concatenate(shards)
     assert len(together) == len(set(together.tolist())) == len(rows)
     assert set(together.tolist()) == set(rows.tolist())
-
-
-@pytest.fixture(scope="module")
-def dropout_free_backbone(tmp_path_factory, tiny_backbone) -> Path:
-    """The 2-layer backbone with dropout off, so 1 and 2 processes can compute the same thing."""
-    path = tmp_path_factory.mktemp("nodropout")
-    for item in tiny_backbone.iterdir():
-        shutil.copy(item, path / item.name)
-    config = json.loads((path / "config.json").read_text())
-    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    (path / "config.json").write_text(json.dumps(config))
-    (path / PROVENANCE_FILE).write_text(json.dumps({"backbone": str(path), "pretrained": False}))
-    return path
 
 
 def train_command(tmp_path: Path, backbone: Path, tokenized: Path, nproc: int, checkpoint_every: int = 3,

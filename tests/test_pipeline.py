@@ -295,24 +295,6 @@ def test_command_reads_files_and_arguments_and_matches_the_dumps(repo, tmp_path)
         pytest.approx(1.0)
 
 
-@pytest.mark.parametrize(("arguments", "stdin", "message"), [
-    (["--task", "sst", "  "], None,
-     r"^error: input row 1: sentence is empty or invisible; expected a text with at least one visible character$"),
-    (["--task", "sts", "one", "two", "three"], None, r"^error: 3 text arguments do not make pairs"),
-    (["--task", "sts", "--input", "-"], b'{"sentence1": "a dog"}\n', r"^error: stdin row 1: no 'sentence2'"),
-    (["--task", "sst", "--input", "-"], b"sentence\n\xffbad\n",
-     r"^error: stdin: not UTF-8 text \(byte 0xff at offset 9\)$"),
-    (["--task", "nope", "x"], None, r"^error: unknown task 'nope'"),
-    (["--task", "sst", "--input", "-"], b"sentence\n\n", r"^error: stdin: no rows; expected sentence per row$"),
-])
-def test_bad_input_is_one_line_and_exit_1(repo, arguments, stdin, message):
-    import re
-
-    result = mtbert(repo, "--model", "models/plain", *arguments, stdin=stdin)
-    lines = result.stderr.decode().strip().splitlines()
-    assert result.returncode == 1 and len(lines) == 1 and re.search(message, lines[0]), result.stderr
-
-
 def test_a_bad_model_folder_is_one_line_naming_what_is_wrong(repo, tmp_path):
     import re
 

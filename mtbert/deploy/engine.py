@@ -158,6 +158,11 @@ class OnnxPredictor:
             self.sessions[task_name] = open_session(self.folder / graph, self.threads)
         return self.sessions[task_name]
 
+    def release(self, task_name: str) -> None:
+        """Drop the task's session, and with it the buffers ONNX Runtime keeps for it: a session's arena
+        stays as large as the largest batch it ran, so sessions of many tasks and engines add up."""
+        self.sessions.pop(task_name, None)
+
     def warm(self) -> None:
         """Load every task's session now (a server does, so no request waits for one)."""
         for name in self.tasks:

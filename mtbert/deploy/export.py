@@ -293,11 +293,23 @@ def parity_difference(task: str, expected: np.ndarray, got: np.ndarray, toleranc
 def measure(predictors: dict[str, OnnxPredictor], dev: dict[str, TaskSplit], tasks: dict[str, Task],
             options: ExportParams) -> dict:
     """Each engine's dev metrics on the whole dev split and its time on the first `speed_rows` rows of
-    each task, and the default engine chosen by them."""
-    metrics = {engine: dev_metrics(predictor, dev, tasks) for engine, predictor in predictors.items()}
-    encodings = {name: task.encoding for name, task in predictors["onnx"].tasks.items()}
-    seconds = engine_seconds(predictors, {name: token_lists(split, encodings[name], options.speed_rows)
-                                          for name, split in dev.items()})
+    each task, and the default engine chosen by them. One task at a time, its sessions released after it:
+    every session keeps buffers for the largest batch it ran."""
+    metrics: dict = {engine: {} for engine in predictors}
+    seconds = dict.fromkeys(predictors, 0.0)
+    for name, task in tasks.items():
+        encoding = predictors["onnx"].tasks[name].encoding
+        for engine, predictor in predictors.items():
+            log.info("%s: dev metrics of the %s graph", name, engine)
+            values = predictor.values_of_tokens(name, token_lists(dev[name], encoding))
+            metrics[engine][name] = task_metrics(task, values, dev[name].labels)
+        for engine, spent in engine_seconds(predictors, {name: token_lists(dev[name], encoding,
+                                                                            options.speed_rows)}).items():
+            seconds[engine] += spent
+        for predictor in predictors.values():
+            predictor.release(name)
+    for engine_metrics in metrics.values():
+        engine_metrics["overall"] = overall(engine_metrics, tasks)
     report: dict = {"dev": metrics, "speed": {"rows_per_task": min(options.speed_rows, *map(len, dev.values())),
                                               "rounds": TIMING_ROUNDS, "threads": predictors["onnx"].threads,
                                               "seconds": seconds}}
@@ -308,17 +320,6 @@ def measure(predictors: dict[str, OnnxPredictor], dev: dict[str, TaskSplit], tas
     report["engine"], report["reason"] = choose_engine(report.get("int8_drop"), seconds, options.int8_max_drop,
                                                        {name: task.headline for name, task in tasks.items()})
     return report
-
-
-def dev_metrics(predictor: OnnxPredictor, dev: dict[str, TaskSplit], tasks: dict[str, Task]) -> dict:
-    """The engine's metrics on every task's whole dev split, and the overall score."""
-    log.info("dev metrics of the %s graphs", predictor.engine)
-    metrics = {}
-    for name, task in tasks.items():
-        values = predictor.values_of_tokens(name, token_lists(dev[name], predictor.tasks[name].encoding))
-        metrics[name] = task_metrics(task, values, dev[name].labels)
-    metrics["overall"] = overall(metrics, tasks)
-    return metrics
 
 
 def engine_seconds(predictors: dict[str, OnnxPredictor], tokens: dict[str, dict]) -> dict[str, float]:

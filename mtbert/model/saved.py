@@ -8,9 +8,9 @@ A trained variant (`models/<variant>/`) keeps each task at the epoch it chose: `
 `task_epochs` (task -> epoch) and one snapshot folder `epoch-<E>/` per distinct chosen epoch. Where tasks
 share layers (every arch but `independent`), each task needs the shared layers of its own epoch, so a
 snapshot is kept whole; `checksums.json` records the sha256 of every file (mtbert/integrity.py). Folders
-are written beside their place and swapped in, never half-written. Loading a variant checks the manifest
-every file before the libraries read it (mtbert/model/files.py), then every file's sha256: a file cut short,
-damaged, or changed since `train` wrote it (a bad copy, a flipped block) is one line naming it.
+are written beside their place and swapped in, never half-written. Loading a variant checks every file
+before the libraries read it (mtbert/model/files.py), then every file's sha256: a file cut short, damaged,
+or changed since `train` wrote it (a bad copy, a flipped block) is one line naming it.
 """
 
 from __future__ import annotations
