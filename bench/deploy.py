@@ -5,8 +5,9 @@ engine measured in the same run:
   on the export (its default engine: no torch) and on the trained folder (PyTorch, today's path), the
   median of a few calls each;
 - one sentence's latency (p50, p95) and batched sentences/s from raw dev text, for PyTorch (the engine of
-  `mtbert predict` on a trained folder, fp32), ONNX fp32 and ONNX int8, alternating call by call and round
-  by round so a change in the machine's speed hits all alike;
+  `mtbert predict` on a trained folder, fp32) in this process, and ONNX fp32 and int8 in a fresh process
+  that never imports torch, as they are deployed; engines in one process alternate call by call and round
+  by round, so a change in the machine's speed hits them alike;
 - a bounded load test of `mtbert serve` on loopback: a fixed number of concurrent clients each sending a
   fixed number of one-sentence requests, then the server is stopped: p50 and p99 latency, requests/s, and
   every response counted by status (or the client error that replaced it).
@@ -31,28 +32,34 @@ import numpy as np
 import pyarrow.parquet as pq
 import typer
 
+from bench.latency import batched_rates, single_sentence_ms
 from mtbert.data.tasks import tokenized_path
 
 TARGETS = {"cold_start_seconds": 1.5, "single_sentence_p50_ms": 5.0, "batched_speedup": 2.0}
 app = typer.Typer(add_completion=False)
 
 
-# --- the engines in this process ---------------------------------------------------------------------
-def engines(model_dir: Path, export_dir: Path, threads: int, batch_size: int) -> dict:
-    """PyTorch on the trained folder, and each graph the export has, all with the same threads and batch."""
-    from mtbert.deploy.engine import OnnxPredictor
+# --- the engines ----------------------------------------------------------------------------------------
+def torch_engine(model_dir: Path, threads: int, batch_size: int):
+    """PyTorch on the trained folder (`mtbert predict --engine torch`), in this process."""
     from mtbert.deploy.predictors import load_predictor
 
-    found = {"torch": load_predictor(model=model_dir, ensemble=None, models_dir=model_dir.parent, engine="torch",
-                                     batch_size=batch_size, threads=threads)}
-    onnx = OnnxPredictor.load(export_dir, engine="onnx", batch_size=batch_size, threads=threads)
-    found["onnx"] = onnx
-    if all("int8" in task.graphs for task in onnx.tasks.values()):
-        found["int8"] = OnnxPredictor.load(export_dir, engine="int8", batch_size=batch_size, threads=threads)
-    for predictor in found.values():
-        if hasattr(predictor, "warm"):
-            predictor.warm()
-    return found
+    return load_predictor(model=model_dir, ensemble=None, models_dir=model_dir.parent, engine="torch",
+                          batch_size=batch_size, threads=threads)
+
+
+def onnx_engines_measured(export_dir: Path, task: str, texts: dict[str, list], *, threads: int, batch_size: int,
+                          calls: int, rounds: int) -> dict:
+    """The export's engines measured in a fresh process that never imports torch, as `mtbert predict` and
+    `mtbert serve` run them (bench/onnx_engines.py). Beside a PyTorch engine in the same process they are
+    slower than deployed: PyTorch's OpenMP threads keep spinning after each of its calls."""
+    job = {"export_dir": str(export_dir), "task": task, "texts": texts, "threads": threads,
+           "batch_size": batch_size, "calls": calls, "rounds": rounds}
+    result = subprocess.run([sys.executable, "-m", "bench.onnx_engines"], input=json.dumps(job), text=True,
+                            capture_output=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"bench.onnx_engines failed: {result.stderr.strip()[-2000:]}")
+    return json.loads(result.stdout)
 
 
 def dev_texts(tokenized_dir: Path, tasks: dict, rows: int) -> dict[str, list[tuple[str, ...]]]:
@@ -62,32 +69,6 @@ def dev_texts(tokenized_dir: Path, tasks: dict, rows: int) -> dict[str, list[tup
         table = pq.read_table(tokenized_path(tokenized_dir, name, "dev")).slice(0, rows)
         texts[name] = list(zip(*(table.column(c).to_pylist() for c in task.text_columns), strict=True))
     return texts
-
-
-def single_sentence_ms(predictors: dict, task: str, sentences: list[tuple[str, ...]], calls: int) -> dict:
-    """p50 and p95 of one sentence's predict() per engine, the engines taking turns call by call."""
-    latencies: dict[str, list[float]] = {name: [] for name in predictors}
-    for index in range(calls + 1):  # the first call of each is a warm-up
-        for name, predictor in predictors.items():
-            started = time.perf_counter()
-            predictor.predict(task, [sentences[index % len(sentences)]])
-            if index:
-                latencies[name].append(1000 * (time.perf_counter() - started))
-    return {name: {"p50": round(float(np.percentile(values, 50)), 3), "p95": round(float(np.percentile(values, 95)), 3)}
-            for name, values in latencies.items()}
-
-
-def batched_rates(predictors: dict, texts: dict[str, list], rounds: int) -> dict:
-    """Sentences (or pairs) per second from raw text over every task's dev rows, per engine, alternating."""
-    seconds = dict.fromkeys(predictors, 0.0)
-    for _ in range(rounds):
-        for name, predictor in predictors.items():
-            started = time.perf_counter()
-            for task, rows in texts.items():
-                predictor.values(task, rows)
-            seconds[name] += time.perf_counter() - started
-    count = rounds * sum(len(rows) for rows in texts.values())
-    return {name: round(count / elapsed, 1) for name, elapsed in seconds.items()}
 
 
 # --- fresh processes ---------------------------------------------------------------------------------
@@ -201,19 +182,24 @@ def deploy_figures(model_dir: Path, export_dir: Path, tokenized_dir: Path, *, th
                    texts_per_task: int = 1000, single_calls: int = 200, rounds: int = 2, cold_starts: int = 3,
                    clients: int = 8, requests: int = 50, workers: int = 1, export_metrics: Path | None = None,
                    scratch: Path) -> dict:
-    predictors = engines(model_dir, export_dir, threads, batch_size)
-    tasks = predictors["torch"].tasks
+    torch = torch_engine(model_dir, threads, batch_size)
+    tasks = torch.tasks
     texts = dev_texts(tokenized_dir, tasks, texts_per_task)
     single = next(name for name, task in tasks.items() if len(task.text_columns) == 1)
-    print(f"  one sentence of {single}, {single_calls} calls per engine ...", flush=True)
-    figures: dict = {"engines": list(predictors), "threads": threads, "batch_size": batch_size,
-                     "single_sentence_ms": single_sentence_ms(predictors, single, texts[single], single_calls)}
-    print(f"  batched: {sum(map(len, texts.values()))} dev rows x {rounds} rounds per engine ...", flush=True)
-    rates = batched_rates(predictors, texts, rounds)
+    print(f"  ONNX engines in a fresh process: one sentence of {single} x {single_calls} calls, "
+          f"{sum(map(len, texts.values()))} dev rows x {rounds} rounds ...", flush=True)
+    onnx = onnx_engines_measured(export_dir, single, texts, threads=threads, batch_size=batch_size,
+                                 calls=single_calls, rounds=rounds)
+    print("  PyTorch, the same ...", flush=True)
+    figures: dict = {"engines": ["torch", *onnx["engines"]], "threads": threads, "batch_size": batch_size,
+                     "onnx_process_imported_torch": onnx["torch_imported"],
+                     "single_sentence_ms": {**single_sentence_ms({"torch": torch}, single, texts[single],
+                                                                 single_calls), **onnx["single_sentence_ms"]}}
+    rates = {**batched_rates({"torch": torch}, texts, rounds), **onnx["sentences_per_second"]}
     figures["sentences_per_second"] = rates
     figures["speedup_over_torch"] = {name: round(rate / rates["torch"], 2) for name, rate in rates.items()
                                      if name != "torch"}
-    del predictors
+    del torch
     sentence = texts[single][0][0]
     print(f"  cold start of mtbert predict, {cold_starts} calls each ...", flush=True)
     figures["cold_start_seconds"] = {"export": cold_start_seconds(export_dir, single, sentence, threads, cold_starts),
