@@ -231,6 +231,9 @@ def open_session(path: Path, threads: int = 0):
     options = onnxruntime.SessionOptions()
     options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3  # errors only: its warnings are about graph rewrites, not about results
+    # Each session has its own threads, which by default spin for a while after a call; with several sessions
+    # (tasks, engines, ensemble members) taking turns they hold the cores the next call needs.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads:
         options.intra_op_num_threads = threads
     try:
