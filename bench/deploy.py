@@ -172,9 +172,31 @@ def server_figures(export_dir: Path, task: str, sentences: list, clients: int, r
     ready = time.perf_counter() - started
     try:
         figures = load_test(url, task, sentences, clients, requests)
+        memory = peak_rss_mib(process.pid)
     finally:
         stop_server(process)
-    return {"workers": workers, "threads_per_worker": threads, "start_seconds": round(ready, 2), **figures}
+    return {"workers": workers, "threads_per_worker": threads, "start_seconds": round(ready, 2), **figures,
+            "peak_rss_mib": memory}
+
+
+def peak_rss_mib(pid: int) -> float | None:
+    """The peak resident memory (VmHWM) of a process and all its descendants (uvicorn's workers) summed,
+    in MiB; None where /proc is not there (not Linux)."""
+    def status(process: int, key: str) -> int:
+        for line in Path(f"/proc/{process}/status").read_text().splitlines():
+            if line.startswith(key):
+                return int(line.split()[1])  # kB
+        return 0
+
+    if not Path(f"/proc/{pid}/status").exists():
+        return None
+    family, total = [pid], 0
+    while family:
+        process = family.pop()
+        total += status(process, "VmHWM:")
+        for task in Path(f"/proc/{process}/task").iterdir():
+            family += [int(child) for child in (task / "children").read_text().split()]
+    return round(total / 1024, 1)
 
 
 # --- the figure ----------------------------------------------------------------------------------------
@@ -230,7 +252,8 @@ def report(f: dict) -> None:
     s = f["server"]
     print(f"   mtbert serve ({s['workers']} worker(s)): {s['sent']} requests from {s['clients']} clients, answered "
           f"{s['answered']} (all accounted for: {s['accounted_for']}); p50 {s['latency_ms']['p50']} ms, "
-          f"p99 {s['latency_ms']['p99']} ms, {s['requests_per_second']} requests/s")
+          f"p99 {s['latency_ms']['p99']} ms, {s['requests_per_second']} requests/s; peak RSS of the server's "
+          f"processes {s['peak_rss_mib']} MiB")
     if "export" in f and "int8" in f["export"].get("dev", {}):
         dev = f["export"]["dev"]
         print(f"   int8 vs fp32 dev (the export's): overall {dev['int8']['overall']:.4f} vs "

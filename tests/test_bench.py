@@ -129,4 +129,5 @@ def test_deploy_bench_writes_every_figure(tmp_path, deployed):
     server = figures["server"]
     assert server["sent"] == 12 and server["answered"] == {"200": 12} and server["accounted_for"]
     assert server["latency_ms"]["p99"] >= server["latency_ms"]["p50"] > 0 and server["requests_per_second"] > 0
+    assert server["peak_rss_mib"] > 50  # the server process (Python, ONNX Runtime and the graphs) was measured
     assert "8. deployment" in result.output and "mtbert serve (1 worker(s)): 12 requests" in result.output
