@@ -33,9 +33,8 @@ from mtbert.data.batches import TaskSplit, TokenColumn
 from mtbert.data.rawdata import clean_text
 from mtbert.data.tasks import Task
 from mtbert.data.tokenization import encode_rows
-from mtbert.evaluation.ensemble import average
 from mtbert.evaluation.evaluate import predict_split
-from mtbert.inputs import InputError, Text, check_texts, ensemble_members
+from mtbert.inputs import InputError, MemberEnsemble, Text, check_texts
 from mtbert.model.architectures import SHARED_DIR
 from mtbert.model.backbone import load_tokenizer
 from mtbert.model.saved import epoch_dir, load_model
@@ -100,31 +99,17 @@ class Predictor:
         return predict_split(self.model, split_of(table, task), self.batch_size, self.device, self.bf16)
 
     def predict(self, task_name: str, texts: Sequence[Text]) -> list[dict]:
-        return describe(self.task(task_name), self.values(task_name, texts))
+        return self.describe(task_name, self.values(task_name, texts))
+
+    def describe(self, task_name: str, values: np.ndarray) -> list[dict]:
+        return describe(self.task(task_name), values)
 
 
-class EnsemblePredictor:
-    """The ensemble stage's choice (metrics/ensemble.json): per task, the average of its members'
-    predictions in the stage's own order, so the results are the ensemble's dumps."""
-
-    def __init__(self, members: dict[str, list[str]], predictors: dict[str, Predictor]):
-        self.members, self.predictors = members, predictors
-        self.tasks = next(iter(predictors.values())).tasks
+class EnsemblePredictor(MemberEnsemble):
+    """The ensemble stage's choice (metrics/ensemble.json) over trained folders: per task, the average of
+    its members' predictions in the stage's own order, so the results are the ensemble's dumps."""
 
     @classmethod
     def load(cls, ensemble_file: Path | str = "metrics/ensemble.json", models_dir: Path | str = "models",
              **options) -> EnsemblePredictor:
-        members = ensemble_members(ensemble_file)
-        needed = sorted({member for order in members.values() for member in order})
-        return cls(members, {name: Predictor.load(Path(models_dir) / name, **options) for name in needed})
-
-    def values(self, task_name: str, texts: Sequence[Text]) -> np.ndarray:
-        if task_name not in self.members:
-            raise InputError(f"unknown task {task_name!r}; this ensemble predicts {', '.join(self.members)}")
-        order = self.members[task_name]
-        predictions = {name: self.predictors[name].values(task_name, texts) for name in dict.fromkeys(order)}
-        return average(predictions, order)
-
-    def predict(self, task_name: str, texts: Sequence[Text]) -> list[dict]:
-        return describe(self.tasks[task_name], self.values(task_name, texts))
-
+        return cls.from_file(ensemble_file, lambda name: Predictor.load(Path(models_dir) / name, **options))

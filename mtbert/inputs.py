@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mtbert.runtime import UserError
@@ -88,6 +88,34 @@ def ensemble_members(path: Path | str) -> dict[str, list[str]]:
 def ensemble_tasks(report: dict) -> list[str]:
     """The task sections of metrics/ensemble.json: those with an `order` of members."""
     return [key for key, value in report.items() if isinstance(value, dict) and "order" in value]
+
+
+class MemberEnsemble:
+    """The ensemble stage's choice (metrics/ensemble.json) over member predictors of either engine: per task,
+    the average of their predictions in the stage's own order, so the results are the ensemble's dumps.
+    A member predictor answers `tasks`, `values(task, texts)` and `describe(task, values)`."""
+
+    def __init__(self, members: dict[str, list[str]], predictors: dict):
+        self.members, self.predictors = members, predictors
+        self.first = next(iter(predictors.values()))
+        self.tasks = self.first.tasks
+
+    @classmethod
+    def from_file(cls, ensemble_file: Path | str, load_member: Callable[[str], object]):
+        """Every member named in `ensemble_file`, each loaded once by `load_member(name)`."""
+        members = ensemble_members(ensemble_file)
+        needed = sorted({member for order in members.values() for member in order})
+        return cls(members, {name: load_member(name) for name in needed})
+
+    def values(self, task_name: str, texts: Sequence[Text]):
+        if task_name not in self.members:
+            raise InputError(f"unknown task {task_name!r}; this ensemble predicts {', '.join(self.members)}")
+        order = self.members[task_name]
+        predictions = {name: self.predictors[name].values(task_name, texts) for name in dict.fromkeys(order)}
+        return average_members(predictions, order)
+
+    def predict(self, task_name: str, texts: Sequence[Text]) -> list[dict]:
+        return self.first.describe(task_name, self.values(task_name, texts))
 
 
 def average_members(values: dict[str, object], order: list[str]):

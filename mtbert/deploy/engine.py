@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtbert.inputs import InputError, Text, average_members, check_texts, clean, ensemble_members
+from mtbert.inputs import InputError, MemberEnsemble, Text, check_texts, clean
 from mtbert.integrity import MANIFEST_FILE, verify
 from mtbert.runtime import UserError
 
@@ -127,7 +127,10 @@ class OnnxPredictor:
         return self.values_of_tokens(task_name, encode(self.tokenizer, task.encoding, rows))
 
     def predict(self, task_name: str, texts: Sequence[Text]) -> list[dict]:
-        return self.task(task_name).describe(self.values(task_name, texts))
+        return self.describe(task_name, self.values(task_name, texts))
+
+    def describe(self, task_name: str, values: np.ndarray) -> list[dict]:
+        return self.task(task_name).describe(values)
 
     def values_of_tokens(self, task_name: str, tokens: dict[str, list[Sequence[int]]]) -> np.ndarray:
         """Predictions of tokenized rows (as `encode` makes them) in their order: length-sorted batches, each
@@ -169,31 +172,15 @@ class OnnxPredictor:
             self.session(name)
 
 
-class OnnxEnsemblePredictor:
+class OnnxEnsemblePredictor(MemberEnsemble):
     """The ensemble stage's choice (metrics/ensemble.json) over exported members: per task, the average of
     their predictions in the stage's own order, so the results are the ensemble's dumps (within the
     export's tolerance)."""
 
-    def __init__(self, members: dict[str, list[str]], predictors: dict[str, OnnxPredictor]):
-        self.members, self.predictors = members, predictors
-        self.tasks = next(iter(predictors.values())).tasks
-
     @classmethod
     def load(cls, ensemble_file: Path | str = "metrics/ensemble.json", models_dir: Path | str = "exports",
              **options) -> OnnxEnsemblePredictor:
-        members = ensemble_members(ensemble_file)
-        needed = sorted({member for order in members.values() for member in order})
-        return cls(members, {name: OnnxPredictor.load(Path(models_dir) / name, **options) for name in needed})
-
-    def values(self, task_name: str, texts: Sequence[Text]) -> np.ndarray:
-        if task_name not in self.members:
-            raise InputError(f"unknown task {task_name!r}; this ensemble predicts {', '.join(self.members)}")
-        order = self.members[task_name]
-        predictions = {name: self.predictors[name].values(task_name, texts) for name in dict.fromkeys(order)}
-        return average_members(predictions, order)
-
-    def predict(self, task_name: str, texts: Sequence[Text]) -> list[dict]:
-        return self.tasks[task_name].describe(self.values(task_name, texts))
+        return cls.from_file(ensemble_file, lambda name: OnnxPredictor.load(Path(models_dir) / name, **options))
 
     def warm(self) -> None:
         for predictor in self.predictors.values():
