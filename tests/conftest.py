@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -20,6 +23,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BACKBONE = "sentence-transformers/all-MiniLM-L6-v2"
+T = TypeVar("T")
 
 # Minimal valid copies of the nine files, in the quirks of the real ones (unnamed index column, the
 # SST test header "0<TAB><TAB>id<TAB>sentence", float-string QQP labels, leading spaces in SST text).
@@ -103,15 +107,38 @@ def synthetic_raw_files(rows: int) -> dict[str, str]:
     return files
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], T]) -> T:
+    """`build(folder)`'s result, built by one process of the session: under pytest-xdist the first worker to
+    ask builds it in a folder every worker sees while the others wait, then each reads its pickled result.
+    The builds are deterministic, so which worker builds changes nothing; only the work done twice goes."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return build(tmp_path_factory.mktemp(name))
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # this session's, above every worker's own folder
+    folder, result = shared / name, shared / f"{name}.pickle"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not result.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a build that failed left
+            folder.mkdir()
+            built = build(folder)
+            result.write_bytes(pickle.dumps(built))
+            return built
+    return pickle.loads(result.read_bytes())
+
+
 @pytest.fixture(scope="session")
 def tiny_backbone(tmp_path_factory) -> Path:
     """A 2-layer slice of the real default backbone, saved like any local model."""
+    return built_once(tmp_path_factory, "backbone", save_tiny_backbone)
+
+
+def save_tiny_backbone(path: Path) -> Path:
     from mtbert.model.backbone import PROVENANCE_FILE, load_encoder, load_tokenizer
 
     encoder = load_encoder(DEFAULT_BACKBONE)
     encoder.encoder.layer = encoder.encoder.layer[:2]
     encoder.config.num_hidden_layers = 2
-    path = tmp_path_factory.mktemp("backbone")
     encoder.save_pretrained(path)
     load_tokenizer(DEFAULT_BACKBONE).save_pretrained(path)
     # As the `pretrain` stage leaves it (disabled), so `train --pretrained-dir` accepts the folder.
@@ -169,11 +196,14 @@ def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, model=None, tr
 @pytest.fixture(scope="session")
 def tiny_tokenized(tmp_path_factory, tiny_backbone) -> Path:
     """Tokenized synthetic data (16 rows per split) for training tests."""
+    return built_once(tmp_path_factory, "tokenized", lambda root: tokenize_synthetic(root, tiny_backbone))
+
+
+def tokenize_synthetic(root: Path, tiny_backbone: Path) -> Path:
     from typer.testing import CliRunner
 
     from stages.tokenize import app
 
-    root = tmp_path_factory.mktemp("tokenized")
     raw = write_raw_files(root / "raw", synthetic_raw_files(16))
     params = make_params(root, tiny_backbone, raw)
     result = CliRunner().invoke(app, ["--params-file", str(params), "--out-dir", str(root / "tok"),
@@ -227,4 +257,4 @@ def deployed(tmp_path_factory, tiny_backbone, tiny_tokenized):
     """Two small variants with their dumps, the ensemble over them and their exports (tests/deployed.py)."""
     from tests.deployed import build
 
-    return build(tmp_path_factory.mktemp("deployed"), tiny_backbone, tiny_tokenized)
+    return built_once(tmp_path_factory, "deployed", lambda root: build(root, tiny_backbone, tiny_tokenized))

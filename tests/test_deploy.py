@@ -16,6 +16,7 @@ import pytest
 from mtbert.deploy.engine import OnnxEnsemblePredictor, OnnxPredictor, resolve_engine
 from mtbert.deploy.export import ExportError, choose_engine, parity_difference
 from mtbert.integrity import IntegrityError, verify, write_manifest
+from tests.commands import mtbert_in_process
 from tests.conftest import REPO_ROOT
 from tests.deployed import VARIANTS
 
@@ -198,6 +199,10 @@ def predict(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess:
     return run_mtbert("predict", "--threads", "1", *args, stdin=stdin)
 
 
+def predict_in_process(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    return mtbert_in_process("predict", "--threads", "1", *args, stdin=stdin)
+
+
 HEAVY = ("torch", "transformers", "pandas", "pyarrow", "scipy")
 
 
@@ -239,23 +244,23 @@ def assert_same_output(onnx: list[dict], pytorch: list[dict]) -> None:
 
 
 def test_the_command_on_exports_gives_the_pytorch_commands_output(deployed, tmp_path):
+    """The export's command as a process of its own (torch-free, as deployed); the PyTorch engine's command in
+    this process (tests/commands.py)."""
     pairs = dev_texts(deployed, "sts")[:6]
     jsonl = "".join(json.dumps({"id": f"r{i}", "sentence1": a, "sentence2": b}) + "\n"
                     for i, (a, b) in enumerate(pairs))
     (tmp_path / "pairs.jsonl").write_text(jsonl)
     for variant in VARIANTS:
-        outputs = [lines(predict("--model", folder / variant, "--task", "sts", "--task", "qqp",
-                                 "--input", tmp_path / "pairs.jsonl"))
-                   for folder in (deployed.exports, deployed.models)]
-        assert_same_output(*outputs)
-        outputs = [lines(predict("--model", folder / variant, "--task", "sst", "A gorgeous, witty film.", "Dull."))
-                   for folder in (deployed.exports, deployed.models)]
-        assert_same_output(*outputs)
-    tsv = "sentence1\tsentence2\n" + "".join(f"{a}\t{b}\n" for a, b in pairs)
-    outputs = [lines(subprocess_text(predict("--ensemble", deployed.ensemble_file, "--models-dir", folder,
-                                             "--task", "sts", "--input", "-", stdin=tsv.encode())))
-               for folder in (deployed.exports, deployed.models)]
-    assert_same_output(*outputs)
+        arguments = ["--task", "sts", "--task", "qqp", "--input", tmp_path / "pairs.jsonl"]
+        assert_same_output(lines(predict("--model", deployed.exports / variant, *arguments)),
+                           lines(predict_in_process("--model", deployed.models / variant, *arguments)))
+        arguments = ["--task", "sst", "A gorgeous, witty film.", "Dull."]
+        assert_same_output(lines(predict("--model", deployed.exports / variant, *arguments)),
+                           lines(predict_in_process("--model", deployed.models / variant, *arguments)))
+    tsv = ("sentence1\tsentence2\n" + "".join(f"{a}\t{b}\n" for a, b in pairs)).encode()
+    arguments = ["--ensemble", deployed.ensemble_file, "--task", "sts", "--input", "-"]
+    assert_same_output(lines(subprocess_text(predict(*arguments, "--models-dir", deployed.exports, stdin=tsv))),
+                       lines(predict_in_process(*arguments, "--models-dir", deployed.models, stdin=tsv)))
     written = predict("--model", deployed.exports / "bi", "--task", "sst", "Fine.", "--output", tmp_path / "o.jsonl")
     assert written.returncode == 0 and written.stdout == ""
     assert json.loads((tmp_path / "o.jsonl").read_text())["sentence"] == "Fine."
@@ -279,10 +284,14 @@ def subprocess_text(result: subprocess.CompletedProcess) -> subprocess.Completed
     (["--task", "sst", "--input", "-"], b"sentence\n\n", r"^error: stdin: no rows; expected sentence per row$"),
 ])
 def test_bad_input_is_the_same_one_line_on_both_engines(deployed, arguments, stdin, message):
+    """The export's command as a process of its own, so its stderr is exactly what a user sees; the PyTorch
+    engine's in this process (tests/commands.py), whose printed line test_faults checks on a real process."""
+    stdin = stdin if stdin is not None else b""
+    onnx = subprocess_text(predict("--model", deployed.exports / "cross", *arguments, stdin=stdin))
+    pytorch = predict_in_process("--model", deployed.models / "cross", *arguments, stdin=stdin)
     errors = []
-    for folder in (deployed.exports, deployed.models):
-        result = predict("--model", folder / "cross", *arguments, stdin=stdin if stdin is not None else b"")
-        errors.append(result.stderr.decode().strip().splitlines())
+    for result in (onnx, pytorch):
+        errors.append(result.stderr.strip().splitlines())
         assert result.returncode == 1 and len(errors[-1]) == 1 and re.search(message, errors[-1][0]), result.stderr
     assert errors[0] == errors[1]
 

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from mtbert.params import variant_params
 from mtbert.training import finetune
+from tests.commands import mtbert_in_process
 from tests.conftest import REPO_ROOT, make_params
 from tests.runs import kill_when, result_of, run_training, train_command
 from tests.test_errors import one_line_error, run_stage, tokenize_args
@@ -125,19 +126,31 @@ MODEL_FAULTS = {
 }
 
 
-@pytest.mark.parametrize("fault", list(MODEL_FAULTS))
-def test_a_broken_model_folder_file_is_one_line_from_mtbert_predict(tmp_path, trained, fault):
+def predict_on_broken_copy(tmp_path: Path, trained, fault: str, predict) -> None:
+    """`predict` (the command as a subprocess, or in this process) on a copy of the trained folder with one
+    file broken by `fault`: one line naming the file, no output, nothing read changed."""
     break_file, relative, says = MODEL_FAULTS[fault]
     model = tmp_path / "base"
     shutil.copytree(trained[1] / "models" / "base", model)
     broken = (first_epoch_folder(model) / relative).resolve()
     break_file(broken)
     before = digests(model)
-    result = run(predict_command(model, tmp_path / "out.jsonl"))
-    line = one_line_error(result)
+    line = one_line_error(predict(predict_command(model, tmp_path / "out.jsonl")))
     assert line.startswith(f"error: {broken}{says}"), line
     assert not (tmp_path / "out.jsonl").exists()
     assert digests(model) == before  # nothing read was changed
+
+
+@pytest.mark.parametrize("fault", list(MODEL_FAULTS))
+def test_a_broken_model_folder_file_is_named_by_mtbert_predict(tmp_path, trained, fault):
+    predict_on_broken_copy(tmp_path, trained, fault, lambda command: mtbert_in_process(*command[3:]))
+
+
+@pytest.mark.parametrize("fault", ["heads cut short", "64 bytes overwritten in the encoder's weights"])
+def test_a_broken_model_folder_file_is_one_line_from_the_installed_command(tmp_path, trained, fault):
+    """As a user sees it: a process of its own, whose stderr holds the one line and nothing else (a
+    library's check, and the checksums')."""
+    predict_on_broken_copy(tmp_path, trained, fault, run)
 
 
 def test_mtbert_debug_shows_the_traceback_of_a_broken_model_folder(tmp_path, trained):

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from tests.commands import mtbert_in_process
 from tests.conftest import REPO_ROOT, make_params, synthetic_raw_files, write_raw_files
 
 
@@ -245,7 +246,12 @@ def mtbert(repo: Path, *args: str, stdin: bytes | None = None) -> subprocess.Com
     """The command, on one thread as the repo's `predict` ran (runtime.threads 1): fp32 kernels round
     differently with another thread count."""
     return subprocess.run([sys.executable, "-m", "mtbert.cli", "predict", "--threads", "1", *args], cwd=repo,
-                          input=stdin, capture_output=True)
+                          input=stdin, capture_output=True, text=stdin is None)
+
+
+def in_process(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    """`mtbert(repo, ...)` in this process (tests/commands.py); the paths given must be absolute."""
+    return mtbert_in_process("predict", "--threads", "1", *args)
 
 
 @pytest.fixture
@@ -305,10 +311,11 @@ def test_a_bad_model_folder_is_one_line_naming_what_is_wrong(repo, tmp_path):
     shutil.copytree(repo / "models" / "plain", old)
     config = json.loads((old / "mtbert.json").read_text())
     (old / "mtbert.json").write_text(json.dumps({**config, "format": 1}))
-    for folder, message in ((broken, r"epoch-1/heads.safetensors is missing"),
-                            (old, r"a model folder of format 1; this mtbert reads format 3"),
-                            (tmp_path / "none", r"none/mtbert.json is missing")):
-        result = mtbert(repo, "--model", str(folder), "--task", "sst", "a film", "--output", str(tmp_path / "o"))
-        lines = result.stderr.decode().strip().splitlines()
+    # the first as a process of its own (its stderr is what a user sees), the others in this process
+    for folder, message, run in ((broken, r"epoch-1/heads.safetensors is missing", mtbert),
+                                 (old, r"a model folder of format 1; this mtbert reads format 3", in_process),
+                                 (tmp_path / "none", r"none/mtbert.json is missing", in_process)):
+        result = run(repo, "--model", str(folder), "--task", "sst", "a film", "--output", str(tmp_path / "o"))
+        lines = result.stderr.strip().splitlines()
         assert result.returncode == 1 and len(lines) == 1 and re.search(message, lines[0]), result.stderr
         assert not (tmp_path / "o").exists()
