@@ -91,10 +91,13 @@ def test_a_params_yaml_with_an_unclosed_bracket_is_one_line_naming_line_and_colu
 
 
 # --- model folders, through `mtbert predict` --------------------------------------------------------------
+def predict_arguments(model: Path, output: Path) -> list[str]:
+    return ["predict", "--model", str(model), "--task", "sst", "--output", str(output), "A fine film ."]
+
+
 def predict_command(model: Path, output: Path) -> list[str]:
     """`mtbert predict` as installed (the console script runs mtbert.cli's app the same way)."""
-    return [sys.executable, "-m", "mtbert.cli", "predict", "--model", str(model), "--task", "sst",
-            "--output", str(output), "A fine film ."]
+    return [sys.executable, "-m", "mtbert.cli", *predict_arguments(model, output)]
 
 
 def first_epoch_folder(model: Path) -> Path:
@@ -127,15 +130,15 @@ MODEL_FAULTS = {
 
 
 def predict_on_broken_copy(tmp_path: Path, trained, fault: str, predict) -> None:
-    """`predict` (the command as a subprocess, or in this process) on a copy of the trained folder with one
-    file broken by `fault`: one line naming the file, no output, nothing read changed."""
+    """`predict(model, output)` (the command as a subprocess, or in this process) on a copy of the trained
+    folder with one file broken by `fault`: one line naming the file, no output, nothing read changed."""
     break_file, relative, says = MODEL_FAULTS[fault]
     model = tmp_path / "base"
     shutil.copytree(trained[1] / "models" / "base", model)
     broken = (first_epoch_folder(model) / relative).resolve()
     break_file(broken)
     before = digests(model)
-    line = one_line_error(predict(predict_command(model, tmp_path / "out.jsonl")))
+    line = one_line_error(predict(model, tmp_path / "out.jsonl"))
     assert line.startswith(f"error: {broken}{says}"), line
     assert not (tmp_path / "out.jsonl").exists()
     assert digests(model) == before  # nothing read was changed
@@ -143,14 +146,15 @@ def predict_on_broken_copy(tmp_path: Path, trained, fault: str, predict) -> None
 
 @pytest.mark.parametrize("fault", list(MODEL_FAULTS))
 def test_a_broken_model_folder_file_is_named_by_mtbert_predict(tmp_path, trained, fault):
-    predict_on_broken_copy(tmp_path, trained, fault, lambda command: mtbert_in_process(*command[3:]))
+    predict_on_broken_copy(tmp_path, trained, fault,
+                           lambda model, output: mtbert_in_process(*predict_arguments(model, output)))
 
 
 @pytest.mark.parametrize("fault", ["heads cut short", "64 bytes overwritten in the encoder's weights"])
 def test_a_broken_model_folder_file_is_one_line_from_the_installed_command(tmp_path, trained, fault):
     """As a user sees it: a process of its own, whose stderr holds the one line and nothing else (a
     library's check, and the checksums')."""
-    predict_on_broken_copy(tmp_path, trained, fault, run)
+    predict_on_broken_copy(tmp_path, trained, fault, lambda model, output: run(predict_command(model, output)))
 
 
 def test_mtbert_debug_shows_the_traceback_of_a_broken_model_folder(tmp_path, trained):
