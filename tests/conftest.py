@@ -171,10 +171,12 @@ def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, model=None, tr
     params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
     params["data"]["raw_dir"] = str(raw_dir)
     # The plain configuration the tests' expectations are written for (shared encoder, CLS pooling, fp32,
-    # cross-encoded pairs, the raw weights); a test that wants another architecture, pooling, encoding, bf16
-    # or the weights' moving average asks for it.
+    # cross-encoded pairs, the raw weights, a uniform ensemble, no student); a test that wants another
+    # architecture, pooling, encoding, bf16, the weights' moving average, greedy or a student asks for it.
     params["model"].update(arch="shared")
     params["train"].update(bf16=False, ema=0.0)
+    params["ensemble"].update(method="uniform")  # every member, so what is averaged is known in advance
+    params["distill"].update(enabled=False)  # tests of the student turn it on
     for task in params["tasks"]:
         params["heads"].setdefault(task, {})["pooling"] = "cls"
     params["heads"]["sts"]["encoding"] = "cross"

@@ -39,3 +39,26 @@ def test_the_first_update_of_the_debiased_average_is_the_trained_weights():
     average = MovingAverage(model, 0.998, debiased=True)
     trajectory(model, average, [0.5])
     assert torch.equal(average.model.weight, model.weight) and torch.equal(average.model.bias, model.bias)
+
+
+def test_frozen_weights_are_not_lerped_and_the_average_equals_torchs_averaged_model():
+    from torch.optim.swa_utils import AveragedModel
+
+    from mtbert.training.averaging import debiased_ema
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 2))
+    model[0].weight.requires_grad_(False)  # frozen, as the embeddings are with train.embedding_lr_factor 0
+    ours = MovingAverage(model, 0.9, debiased=True)
+    reference = AveragedModel(model, multi_avg_fn=debiased_ema(0.9))  # lerps every weight
+    reference.update_parameters(model)
+    for step in range(4):
+        with torch.no_grad():
+            model[1].weight.add_(step + 1.0)
+            model[1].bias.mul_(-2.0)
+        ours.update(model)
+        reference.update_parameters(model)
+    for mine, torchs in zip(ours.model.parameters(), reference.module.parameters(), strict=True):
+        assert torch.equal(mine, torchs)
+    assert torch.equal(ours.model[0].weight, model[0].weight)
+    assert int(ours.state_dict()["n_averaged"]) == int(reference.n_averaged) == 5

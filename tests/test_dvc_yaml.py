@@ -52,13 +52,15 @@ def test_stage_deps_cover_every_imported_module(name):
     assert needed <= set(stage["deps"]), f"{name}: add to deps: {sorted(needed - set(stage['deps']))}"
 
 
-def test_every_default_variant_and_the_ensemble_are_registered_models():
+def test_every_default_variant_student_and_the_ensemble_are_registered_models():
     dvc_yaml = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())
-    variants = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["models"]
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    variants = params["models"]
+    students = params["distill"]["students"] if params["distill"]["enabled"] else {}
     artifacts = dvc_yaml["artifacts"]
-    assert set(artifacts) == {*variants, "ensemble"}
+    assert set(artifacts) == {*variants, *students, "ensemble"}
     outs = {out if isinstance(out, str) else next(iter(out)) for out in dvc_yaml["stages"]["ensemble"]["outs"]}
     assert artifacts["ensemble"]["path"] in outs
-    for name in variants:  # train@<name> writes models/<name>
+    for name in [*variants, *students]:  # train@<name> and distill@<name> write models/<name>
         assert artifacts[name] == {**artifacts[name], "path": f"models/{name}", "type": "model"}
         assert artifacts[name]["desc"] and "mtbert" in artifacts[name]["labels"]

@@ -215,7 +215,7 @@ def test_bad_variant_override_names_the_variant_and_key(raw_params):
     raw_params["models"] = {"base": {}, "typo": {"train": {"lrr": 1.0}}}
     with pytest.raises(ParamsError, match=r"unknown key 'models.typo.train.lrr'; models.typo.train accepts: seed"):
         parse_params(raw_params)
-    raw_params["models"] = {"bad name": {}}
+    raw_params["models"] = {"base": {}, "bad name": {}}
     with pytest.raises(ParamsError, match=r"models.bad name: a variant name may use"):
         parse_params(raw_params)
 
