@@ -12,18 +12,32 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import onnx
 
 
 def quantize(source: Path, target: Path, *, per_channel: bool) -> None:
     """Write the int8 version of the fp32 graph `source` to `target`."""
-    from onnx import TensorProto
+    import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     # ONNX's shape inference gives no type to the outputs of ONNX Runtime's fused ops (Attention,
     # SkipLayerNormalization): in a graph of BERT in float32 every such tensor is float32.
     with _quiet_preprocessing_advice():
         quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8, per_channel=per_channel,
-                         extra_options={"DefaultTensorType": TensorProto.FLOAT})
+                         nodes_to_exclude=vector_products(onnx.load(str(source), load_external_data=False)),
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+
+
+def vector_products(graph: onnx.ModelProto) -> list[str]:
+    """The MatMul nodes whose weight is a vector (e.g. the routing head's activation score), left in fp32:
+    ONNX Runtime quantizes them, but its MatMulInteger then refuses the per-channel zero point of a 1-D
+    weight at run time ("b zero point is not valid"), and a vector has nothing to gain from int8."""
+    ranks = {weight.name: len(weight.dims) for weight in graph.graph.initializer}
+    return [node.name for node in graph.graph.node
+            if node.op_type == "MatMul" and ranks.get(node.input[1], 2) < 2]
 
 
 class _DropAdvice(logging.Filter):
