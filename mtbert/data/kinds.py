@@ -248,7 +248,7 @@ class Regression(Kind):
     def metrics(self, values, labels):
         if len(values) < 2 or np.std(values) == 0:
             return {"pearson": 0.0, "spearman": 0.0}
-        from scipy import stats  # here, not at the top: scipy.stats takes ~1 s to import, and predicting never scores
+        from scipy import stats  # here: scipy.stats takes ~1 s to import, and `mtbert predict` never scores
         return {"pearson": float(stats.pearsonr(values, labels).statistic),
                 "spearman": float(stats.spearmanr(values, labels).statistic)}
 
