@@ -324,3 +324,31 @@ def test_a_changed_or_missing_export_file_is_one_line_naming_it(deployed, tmp_pa
     result = predict("--model", copy, "--task", "sst", "a film")
     assert result.returncode == 1 and result.stderr == \
         f"error: {copy / 'tokenizer.json'} is missing; {copy / 'manifest.json'} lists it\n"
+
+
+def test_int8_leaves_products_with_a_vector_weight_in_fp32(tmp_path):
+    """The routing head's activation score multiplies by a vector: quantized per channel, ONNX Runtime
+    refused it at run time ("b zero point is not valid"), so the quantizer must leave it in fp32."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime import InferenceSession
+
+    from mtbert.deploy.quantize import quantize, vector_products
+
+    rng = np.random.default_rng(0)
+    matrix = numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "matrix")
+    vector = numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "vector")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "matrix"], ["h"], name="by_matrix"),
+         helper.make_node("MatMul", ["h", "vector"], ["score"], name="by_vector")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch"])], [matrix, vector])
+    source, target = tmp_path / "g.onnx", tmp_path / "g.int8.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), source)
+    assert vector_products(onnx.load(source)) == ["by_vector"]
+    quantize(source, target, per_channel=True)
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    fp32 = InferenceSession(str(source), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    int8 = InferenceSession(str(target), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert int8.shape == (4,) and np.allclose(int8, fp32, rtol=0.1, atol=0.1)  # runs, and stays near fp32
