@@ -19,6 +19,11 @@ Both train the same task mix: the steps are a subsequence of mtbert's own schedu
 its first `steps_per_task` steps of each task, in schedule order), run by both sides alternating block by
 block, so a change in the machine's speed hits both alike. The overall figures weight each task by its
 share of an epoch's batches, so they are the rate of a whole epoch's mix.
+
+Each side's timed batches of a task are spread evenly over an epoch of its own batch order (the batches
+between them are drawn untimed and dropped): the first batches of an epoch are no fair sample of it.
+`group_by_length` sorts each megabatch of 50 batches longest first, so a Trainer's first dozen steps
+carry about the longest quarter of the rows.
 """
 
 from __future__ import annotations
@@ -169,6 +174,11 @@ class TrainerPeer:
             self.batches = iter(self.dataloader)
         raise RuntimeError("the Trainer's dataloader yields no batch")
 
+    def skip(self, batches: int) -> None:
+        """Draw `batches` batches and drop them, untimed: the next timed batch lies further on in the epoch."""
+        for _ in range(batches):
+            self.next_batch()
+
     def step(self) -> tuple[int, int]:
         """One training step of one batch; its examples and non-padding tokens."""
         trainer = self.trainer
@@ -193,6 +203,12 @@ def mtbert_step(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> 
     return progress.totals.examples - before[0], progress.totals.tokens - before[1]
 
 
+def mtbert_skip(run: FineTuning, task: str, batches: int) -> None:
+    """Draw `batches` of the task's batches from its stream and drop them, untimed."""
+    for _ in range(batches):
+        run.streams[task].next()
+
+
 # --- the plan and the measurement -------------------------------------------------------------------
 def timed_plan(run: FineTuning, steps_per_task: int) -> list[tuple[str, ...]]:
     """The first `steps_per_task` steps of each task in mtbert's schedule, in schedule order (the epochs'
@@ -208,6 +224,12 @@ def timed_plan(run: FineTuning, steps_per_task: int) -> list[tuple[str, ...]]:
             if all(count >= steps_per_task for count in counts.values()):
                 return plan
     return plan
+
+
+def batches_between(batches_per_epoch: int, timed_steps: int) -> int:
+    """Batches to drop before each timed one, so that one untimed warm-up batch and `timed_steps` timed
+    ones lie evenly over one epoch of `batches_per_epoch`."""
+    return max(0, batches_per_epoch // (timed_steps + 1) - 1)
 
 
 def task_share(run: FineTuning) -> dict[str, float]:
@@ -239,11 +261,14 @@ def peer_figures(run: FineTuning, progress: Progress, steps_per_task: int, block
     sides = ("peer", "mtbert")
     tallies = {side: {task: Tally() for task in run.tasks} for side in sides}
     whole = {side: Tally() for side in sides}  # everything timed, for steps of several tasks (sampler: joint)
+    dropped = {task: batches_between(stream.batches_per_pass, steps_per_task) for task, stream in run.streams.items()}
     for task in run.tasks:  # warm-up, untimed: a batch of each task each way
         peers[task].step()
         mtbert_step(run, progress, (task,))
     for start in range(0, len(plan), block):
         for tasks in plan[start:start + block]:
+            for task in tasks:
+                mtbert_skip(run, task, dropped[task])
             started = time.perf_counter()
             examples, tokens = mtbert_step(run, progress, tasks)
             seconds = time.perf_counter() - started
@@ -252,6 +277,7 @@ def peer_figures(run: FineTuning, progress: Progress, steps_per_task: int, block
                 tallies["mtbert"][tasks[0]].add(seconds, examples, tokens)
         for tasks in plan[start:start + block]:
             for task in tasks:
+                peers[task].skip(dropped[task])
                 started = time.perf_counter()
                 examples, tokens = peers[task].step()
                 seconds = time.perf_counter() - started

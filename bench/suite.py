@@ -31,6 +31,7 @@ change in the machine's speed during the run hits all of them alike. Needs data/
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
 import tempfile
@@ -205,6 +206,19 @@ def training_peak_rss_gib(params_file: Path, tokenized_dir: Path, variant: str, 
 
 
 # --- the report -------------------------------------------------------------------------------------
+def cpu_name() -> str:
+    """The processor's model and its bf16 units, as Linux names them: a figure holds for that CPU only."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 platform.processor() or "unknown")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    units = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags] or ["no bf16 units"]
+    return f"{model} ({', '.join(units)})"
+
+
 @app.command()
 def main(train_steps: int = typer.Option(24, help="timed training steps per configuration"),
          block: int = typer.Option(4, help="steps per block; the configurations alternate block by block"),
@@ -222,8 +236,8 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
     setup_logging()
     params = variant_params(params_file, variant)
     torch.set_num_threads(params.runtime.threads or torch.get_num_threads())
-    figures: dict = {"threads": torch.get_num_threads()}
-    print(f"matmul peak ({figures['threads']} threads) ...", flush=True)
+    figures: dict = {"cpu": cpu_name(), "threads": torch.get_num_threads()}
+    print(f"{figures['cpu']}; matmul peak ({figures['threads']} threads) ...", flush=True)
     figures["matmul_gflops"] = {"fp32": round(matmul_gflops(torch.float32), 1),
                                 "bf16": round(matmul_gflops(torch.bfloat16), 1)}
     with tempfile.TemporaryDirectory() as scratch:

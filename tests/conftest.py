@@ -241,9 +241,11 @@ def kill_once_checkpointed(command: list[str], checkpoint: Path, timeout: float 
     assert checkpoint.exists()
 
 
-# The longest test files first: pytest-xdist hands out whole files in collection order, so a long file
-# collected last would leave the other worker idle at the end.
-LONGEST_FIRST = ("test_pipeline.py", "test_distributed.py", "test_train.py", "test_arch.py", "test_errors.py")
+# The longest test files first (by `pytest --durations`): pytest-xdist hands out whole files in collection
+# order (with --no-loadscope-reorder; by default it orders them by their number of tests), so a long file
+# handed out last would leave the other worker idle at the end.
+LONGEST_FIRST = ("test_pipeline.py", "test_faults.py", "test_distributed.py", "test_train.py", "test_deploy.py",
+                 "test_bench.py", "test_arch.py", "test_pretrain.py", "test_errors.py")
 
 
 def pytest_collection_modifyitems(items):

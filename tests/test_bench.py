@@ -7,7 +7,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from bench.peer import Tally, mixed_rate, num_labels
+from bench.peer import Tally, batches_between, mixed_rate, num_labels
 from bench.suite import app, pad_to
 from tests.conftest import make_params, synthetic_raw_files, write_raw_files
 
@@ -30,6 +30,17 @@ def test_the_overall_rate_weights_each_task_by_its_share_of_the_batches():
     rate = mixed_rate(tallies, {"sst": 0.5, "qqp": 0.5})
     assert rate == {"examples_per_second": 15.0, "tokens_per_second": 100.0}
     assert mixed_rate(tallies, {"sst": 0.0, "qqp": 1.0})["examples_per_second"] == 20.0
+
+
+@pytest.mark.parametrize("batches_per_epoch, timed_steps", [(267, 12), (96, 12), (4, 2), (13, 12), (12, 12)])
+def test_the_timed_batches_spread_over_one_epoch(batches_per_epoch, timed_steps):
+    """The warm-up batch, then `timed_steps` batches each after `batches_between` dropped ones: all inside the
+    first epoch (the next one restarts the Trainer's longest-first order), the last in its final stretch."""
+    gap = batches_between(batches_per_epoch, timed_steps)
+    taken = [step * (gap + 1) for step in range(timed_steps + 1)]  # positions drawn: warm-up first
+    if batches_per_epoch > timed_steps:
+        assert taken[-1] < batches_per_epoch
+        assert batches_per_epoch - taken[-1] <= 2 * (gap + 1)
 
 
 def test_the_peer_has_run_glues_label_counts():
@@ -58,6 +69,7 @@ def test_suite_writes_every_figure(tmp_path, tiny_backbone, tiny_tokenized):
                                       "--exports-dir", str(tmp_path / "no-exports"), "--json-out", str(out)])
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
+    assert figures["cpu"] and figures["threads"] >= 1  # a figure names the processor it holds for
     assert set(figures["train"]) == {"naive", "default", "default_bf16"}
     assert all(figures["train"][name]["examples"] == 8 for name in figures["train"])  # 2 steps of 4
     assert figures["train_speedup"]["default"] > 0 and figures["smart_ratio"] > 0 and figures["smart_random_ratio"] > 0
