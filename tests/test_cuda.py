@@ -176,9 +176,11 @@ def test_training_through_nccl_collectives_equals_the_plain_run(tmp_path, fp32_r
     assert_trained_alike(fp32_run[0], tmp_path, dropout_free_backbone)
 
 
-def test_a_killed_cuda_run_resumes_to_the_uninterrupted_result(tmp_path, tiny_backbone, tiny_tokenized):
-    # dropout on: the resumed run draws the same masks only from the checkpoint's CUDA generator state
-    params = make_params(tmp_path, tiny_backbone, Path("unused"), train={"epochs": 1})
+@pytest.mark.parametrize("ema", [0.0, 0.998], ids=["raw weights", "moving average"])
+def test_a_killed_cuda_run_resumes_to_the_uninterrupted_result(tmp_path, tiny_backbone, tiny_tokenized, ema):
+    # dropout on: the resumed run draws the same masks only from the checkpoint's CUDA generator state;
+    # with the moving average on, the kept model is the average, restored from the checkpoint on the GPU
+    params = make_params(tmp_path, tiny_backbone, Path("unused"), train={"epochs": 1, "ema": ema})
     run_training(params, tiny_tokenized, tmp_path / "a")
     command = train_command(params, tmp_path / "b", tiny_tokenized)
     kill_once_checkpointed(command, tmp_path / "b" / "ck" / "base" / "last.pt")  # at update 3 of 12
