@@ -7,10 +7,16 @@ stage runs: `finetune.step` (batch collation, forward, backward) and `finetune.u
 the moving average). The operators' self CPU time is grouped into categories (matmuls, attention,
 LayerNorm, GELU, dropout, the embedding's gradient, the optimiser, the moving average, casts, ...); the
 rest of the wall time, outside any operator, is Python and collation overhead. Needs data/tokenized.
+
+`--epoch-end` (on by default) also times what the stage does once per epoch after its steps, the evaluation
+passes, as `finetune.evaluate_and_dump` and the raw weights' dev pass run them: the dev pass of the model kept
+(with its dev dumps: the defaults' epoch end), the test predictions `train.snapshot_test` adds, and the raw
+weights' dev pass `train.dev_raw` adds; each as a share of an epoch (its steps at the profiled rate).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.smart_step import scratch_run
 from mtbert import io
+from mtbert.evaluation.evaluate import evaluate
 from mtbert.params import variant_params
 from mtbert.runtime import setup_logging
 from mtbert.training import finetune
@@ -86,12 +93,44 @@ def breakdown(prof: profile, wall: float) -> dict:
                                "share": round(s / wall, 3)} for name, s, calls in operators[:15]]}
 
 
+def epoch_end_seconds(run: finetune.FineTuning) -> dict[str, float]:
+    """Seconds of one epoch end's evaluation passes, each part timed once after an untimed dev pass (oneDNN
+    builds its kernels for the evaluation's batch shapes)."""
+    def snapshot_data(test: bool) -> dict:
+        p = dataclasses.replace(run.p, snapshot_test=test)
+        return {name: finetune.snapshot_splits(p, run.paths.tokenized, task, run.dev_data[name])
+                for name, task in run.tasks.items()}
+
+    def timed(work) -> float:
+        started = time.perf_counter()
+        work()
+        return time.perf_counter() - started
+
+    with_dev, with_test = (dataclasses.replace(run, snapshot_data=snapshot_data(test)) for test in (False, True))
+    evaluate(run.average.model, run.dev_data, run.p.eval_batch_size, run.device, run.bf16)  # warm-up
+    dev = timed(lambda: finetune.evaluate_and_dump(with_dev, 1))
+    dev_and_test = timed(lambda: finetune.evaluate_and_dump(with_test, 1))
+    raw = timed(lambda: evaluate(run.model, run.dev_data, run.p.eval_batch_size, run.device, run.bf16))
+    return {"dev pass and dumps": dev, "test predictions (train.snapshot_test)": max(0.0, dev_and_test - dev),
+            "raw weights' dev pass (train.dev_raw)": raw}
+
+
+def epoch_end_figures(seconds: dict[str, float], step_seconds: float, steps_per_epoch: int) -> dict:
+    """Each part's seconds and its share of an epoch whose steps ran at `step_seconds`, with every part on."""
+    steps = step_seconds * steps_per_epoch
+    epoch = steps + sum(seconds.values())
+    return {"steps_per_epoch": steps_per_epoch, "epoch_steps_seconds": round(steps, 1),
+            "parts": {name: {"seconds": round(value, 2), "share_of_epoch": round(value / epoch, 4)}
+                      for name, value in seconds.items()}}
+
+
 @app.command()
 def main(steps: int = typer.Option(24, help="profiled steps"),
          warmup: int = typer.Option(4, help="steps run before profiling (oneDNN builds its kernels)"),
          variant: str = typer.Option("base"),
          params_file: Path = typer.Option(Path("params.yaml")),
          tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         epoch_end: bool = typer.Option(True, help="also time an epoch end's evaluation passes"),
          json_out: Path = typer.Option(None, help="also write the breakdown here")) -> None:
     setup_logging("WARNING")
     params = variant_params(params_file, variant)
@@ -103,8 +142,10 @@ def main(steps: int = typer.Option(24, help="profiled steps"),
             finetune.step(run, progress, tasks)
             finetune.update(run, progress)
         prof, wall = profiled_steps(run, progress, schedule[warmup:])
-    figures = breakdown(prof, wall)
-    figures.update(steps=steps, bf16=run.bf16)
+        figures = breakdown(prof, wall)
+        figures.update(steps=steps, bf16=run.bf16)
+        if epoch_end:
+            figures["epoch_end"] = epoch_end_figures(epoch_end_seconds(run), wall / steps, run.steps_per_epoch)
     print(f"{steps} steps in {wall:.2f} s ({wall / steps:.3f} s/step, bf16 {run.bf16}, "
           f"{figures['threads']} threads); share of the wall time:")
     for name, entry in figures["categories"].items():
@@ -113,6 +154,12 @@ def main(steps: int = typer.Option(24, help="profiled steps"),
     print("top operators (self CPU):")
     for entry in figures["top_operators"]:
         print(f"  {entry['share']:6.1%}  {entry['calls']:6d} calls  {entry['name']}")
+    if epoch_end:
+        end = figures["epoch_end"]
+        print(f"an epoch end's evaluation, beside an epoch's {end['steps_per_epoch']} steps "
+              f"({end['epoch_steps_seconds']:.0f} s at the profiled rate):")
+        for name, entry in end["parts"].items():
+            print(f"  {name:40s} {entry['seconds']:7.1f} s  {entry['share_of_epoch']:6.1%} of the epoch")
     if json_out is not None:
         io.write_json(json_out, figures)  # atomic, parent folders made
 

@@ -236,6 +236,8 @@ class TrainParams:
     gradient: Literal["plain", "pcgrad"]  # pcgrad: gradient surgery across the tasks of a joint step
     select: Literal["task", "overall"]  # each task's model from its own best dev epoch, or all from the best overall
     ema: Float = Field(ge=0.0, lt=1.0)  # > 0: the moving average of the weights with this decay is the model
+    dev_raw: Bool  # with ema: the raw weights' dev metrics beside the average's, each epoch (one more dev pass)
+    snapshot_test: Bool  # every epoch's test predictions beside its dev ones (ensemble.snapshots needs them)
 
     @model_validator(mode="after")
     def _pcgrad_needs_joint_steps(self) -> TrainParams:

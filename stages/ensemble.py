@@ -21,7 +21,14 @@ from mtbert.data.tasks import Task, tasks_from_params
 from mtbert.evaluation.ensemble import average, every_method, honest_estimate, method_name, select
 from mtbert.evaluation.metrics import headline, overall, task_metrics
 from mtbert.evaluation.plots import write_plot_tables
-from mtbert.evaluation.predictions import read_aligned, read_dump, rejected_ids, write_dump, write_submission
+from mtbert.evaluation.predictions import (
+    dump_path,
+    read_aligned,
+    read_dump,
+    rejected_ids,
+    write_dump,
+    write_submission,
+)
 from mtbert.model.card import CARD_FILE, ensemble_card
 from mtbert.params import as_dict, load_params
 from mtbert.runtime import MissingInputError, UnreadableInputError, run_app, setup_logging
@@ -92,8 +99,17 @@ def candidates(predictions_dir: Path, snapshots_dir: Path, variants: list[str], 
             chosen = chosen_epoch(snapshots_dir / name, task)
             for folder in sorted(p for p in (snapshots_dir / name).glob("epoch-*") if p.is_dir()):
                 if folder.name != f"epoch-{chosen}":  # that one is the variant's own dump
+                    require_snapshot_dump(folder, task, split)
                     found[f"{name}@{folder.name}"] = read_aligned(folder, task, split, ids)
     return found
+
+
+def require_snapshot_dump(folder: Path, task: Task, split: str) -> None:
+    """`train` predicts test at an epoch's end only with train.snapshot_test: say so rather than 'missing'."""
+    path = dump_path(folder, task.name, split)
+    if split == "test" and not path.is_file():
+        raise MissingInputError(f"{path} is missing: ensemble.snapshots: true averages every epoch's test "
+                                "predictions, which train writes with train.snapshot_test: true (set it, `dvc repro`)")
 
 
 def chosen_epoch(directory: Path, task: Task) -> int:

@@ -116,6 +116,11 @@ def test_profile_groups_a_steps_operators_into_categories(tmp_path, tiny_backbon
     assert figures["steps"] == 2 and "matmul" in figures["categories"] and all(share >= 0 for share in shares)
     assert figures["outside_operators_share"] == pytest.approx(max(0.0, 1 - sum(shares)), abs=0.01)
     assert figures["top_operators"] and "top operators (self CPU)" in result.output
+    parts = figures["epoch_end"]["parts"]  # the epoch end's evaluation passes, each timed
+    assert set(parts) == {"dev pass and dumps", "test predictions (train.snapshot_test)",
+                          "raw weights' dev pass (train.dev_raw)"}
+    assert all(part["seconds"] >= 0 and 0 <= part["share_of_epoch"] < 1 for part in parts.values())
+    assert parts["dev pass and dumps"]["seconds"] > 0 and "an epoch end's evaluation" in result.output
 
 
 def test_deploy_bench_writes_every_figure(tmp_path, deployed):

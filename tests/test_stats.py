@@ -14,6 +14,7 @@ from mtbert.evaluation.predictions import write_dump
 from mtbert.evaluation.report import results_block, results_table, splice
 from mtbert.evaluation.seeds import compare_groups, group_statistics, seed_groups
 from mtbert.params import EnsembleParams
+from mtbert.runtime import MissingInputError
 from mtbert.training.selection import chosen_epochs, chosen_metrics
 from stages.ensemble import candidates
 from tests.conftest import REPO_ROOT, TASKS
@@ -136,6 +137,13 @@ def test_snapshots_enter_the_candidates_only_when_enabled(tmp_path):
     # each variant's other epochs join; the kept epoch is the variant's own dump already
     assert sorted(with_snapshots) == ["base", "base@epoch-1", "seed1", "seed1@epoch-2"]
     assert with_snapshots["base@epoch-1"].tolist() == [0.1, 0.2, 0.3]  # aligned to the ids' order
+    # train wrote no epoch's test predictions (train.snapshot_test: false): the error says which knob writes them
+    write_dump(tmp_path / "predictions" / "base", QQP, "test", ids, np.array([0.1, 0.5, 0.9]))
+    assert sorted(candidates(tmp_path / "predictions", tmp_path / "snapshots", ["base"], QQP, "test", ids, False)) == [
+        "base"]
+    with pytest.raises(MissingInputError, match=r"base/epoch-1/qqp-test.parquet is missing: ensemble.snapshots: "
+                                                 r"true .* train.snapshot_test: true"):
+        candidates(tmp_path / "predictions", tmp_path / "snapshots", ["base"], QQP, "test", ids, True)
 
 
 def test_metrics_are_stored_at_four_significant_digits(tmp_path):

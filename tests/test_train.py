@@ -148,7 +148,8 @@ def test_smart_and_teacher_resume_after_a_crash_like_an_uninterrupted_run(tmp_pa
 
 def test_each_task_keeps_its_best_epoch_and_the_saved_model_reproduces_its_predictions(tmp_path, tiny_backbone,
                                                                                       tiny_tokenized):
-    params_file = make_params(tmp_path, tiny_backbone, Path("unused"), train={"epochs": 3, "lr": 3e-4})
+    params_file = make_params(tmp_path, tiny_backbone, Path("unused"), train={"epochs": 3, "lr": 3e-4,
+                                                                             "snapshot_test": True})
     params = variant_params(params_file, "base")
     for leftover in (tmp_path / "ck" / "snapshots" / "epoch-7", tmp_path / "ck" / "epochs" / "epoch-7"):
         leftover.mkdir(parents=True)  # as a killed run with other params would leave them
@@ -158,6 +159,7 @@ def test_each_task_keeps_its_best_epoch_and_the_saved_model_reproduces_its_predi
         assert epoch == scores.index(max(scores)) + 1
     assert json.loads((tmp_path / "snapshots" / "chosen.json").read_text()) == summary["task_epochs"]
     assert sorted(p.name for p in (tmp_path / "snapshots").glob("epoch-*")) == ["epoch-1", "epoch-2", "epoch-3"]
+    assert all(len(list(folder.glob("*-test.parquet"))) == 3 for folder in (tmp_path / "snapshots").glob("epoch-*"))
     assert sorted(p.name for p in (tmp_path / "model").glob("epoch-*")) == sorted(
         {f"epoch-{e}" for e in summary["task_epochs"].values()})
     config = assert_saved_model_reproduces_its_dumps(tmp_path, tiny_tokenized, params.train.eval_batch_size)
@@ -166,13 +168,13 @@ def test_each_task_keeps_its_best_epoch_and_the_saved_model_reproduces_its_predi
 
 def test_the_moving_average_is_the_model_kept_and_resumes_like_an_uninterrupted_run(tmp_path, tiny_backbone,
                                                                                     tiny_tokenized, monkeypatch):
-    params = variant_params(make_params(tmp_path, tiny_backbone, Path("unused"), train={"ema": 0.5, "lr": 3e-4}),
-                            "base")
+    params = variant_params(make_params(tmp_path, tiny_backbone, Path("unused"),
+                                        train={"ema": 0.5, "lr": 3e-4, "dev_raw": True}), "base")
     uninterrupted, resumed = uninterrupted_and_resumed(params, tiny_tokenized, tmp_path, monkeypatch)
     assert resumed == uninterrupted
     assert saved_heads(tmp_path / "a" / "model") == saved_heads(tmp_path / "b" / "model")
 
-    # Every epoch logs the raw weights beside the average, and the two differ.
+    # With train.dev_raw every epoch logs the raw weights beside the average, and the two differ.
     epochs = uninterrupted["epochs"]
     assert all(set(record["dev_raw"]) == set(record["dev"]) for record in epochs)
     assert any(record["dev_raw"]["sts"]["pearson"] != record["dev"]["sts"]["pearson"] for record in epochs)
@@ -212,7 +214,10 @@ def test_smart_and_moving_average_resume_after_kill_9_like_an_uninterrupted_run(
     subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True)
     assert result_of(tmp_path / "b") == uninterrupted
     assert "sst/smart_loss" in uninterrupted["summary"]["epochs"][0]["regularisers"]
-    assert all("dev_raw" in record for record in uninterrupted["summary"]["epochs"])
+    # train.dev_raw and train.snapshot_test are off: the epoch's end was one dev pass of the average, its dumps dev
+    assert not any("dev_raw" in record for record in uninterrupted["summary"]["epochs"])
+    assert sorted(path.name for path in (tmp_path / "a" / "snapshots" / "base" / "epoch-1").iterdir()) == [
+        "qqp-dev.parquet", "sst-dev.parquet", "sts-dev.parquet"]
 
 
 def test_round_robin_smallest_trains_every_task_the_smallest_tasks_batches_and_resumes(tmp_path, tiny_backbone,

@@ -177,9 +177,7 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
     if distillation is not None:
         train_data = {name: distillation.taught(split) for name, split in train_data.items()}
     dev_data = {name: load_split(paths.tokenized, task, "dev", p.max_examples) for name, task in tasks.items()}
-    # Snapshot dumps cover the whole dev and test splits, so the ensemble can align them with predict's.
-    snapshot_data = {name: {"dev": dev_data[name] if not p.max_examples else load_split(paths.tokenized, task, "dev"),
-                            "test": load_split(paths.tokenized, task, "test")}
+    snapshot_data = {name: snapshot_splits(p, paths.tokenized, task, dev_data[name])
                      for name, task in tasks.items()} if paths.snapshots and ranks.is_main else {}
     row_lengths = {name: split.lengths(model.encoding(name)) for name, split in train_data.items()}
     streams = {name: TaskStream(row_lengths[name], p.batch_size[name], p.bucket_batches, p.seed, index)
@@ -193,6 +191,15 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
     return FineTuning(params, variant, paths, fingerprint, ranks, device, bf16, tasks, load_tokenizer(start), model,
                       train_data, dev_data, snapshot_data, row_lengths, streams, optimizer, scheduler, objective,
                       gradients, average, steps, Stopwatch())
+
+
+def snapshot_splits(p: TrainParams, tokenized: Path, task: Task, dev: TaskSplit) -> dict[str, TaskSplit]:
+    """The splits each epoch's snapshot dumps cover, whole so that the ensemble can align them with predict's:
+    dev, and test with train.snapshot_test (only `ensemble.snapshots` reads an epoch's test predictions)."""
+    splits = {"dev": dev if not p.max_examples else load_split(tokenized, task, "dev")}
+    if p.snapshot_test:
+        splits["test"] = load_split(tokenized, task, "test")
+    return splits
 
 
 def train_rows(p: TrainParams, task: str) -> int:
@@ -366,7 +373,7 @@ def end_epoch(run: FineTuning, progress: Progress, live) -> None:
     dev = dev_raw = None  # the main rank evaluates; the others wait for its figures
     if run.ranks.is_main:
         dev = evaluate_and_dump(run, progress.epoch + 1)
-        if run.average.separate:  # the raw weights beside their moving average
+        if run.average.separate and run.p.dev_raw:  # the raw weights beside their moving average
             dev_raw = evaluate(run.model, run.dev_data, run.p.eval_batch_size, run.device, run.bf16)
     dev, dev_raw = broadcast((dev, dev_raw), run.ranks)
     record = epoch_record(run, progress, dev, dev_raw)
@@ -384,8 +391,8 @@ def end_epoch(run: FineTuning, progress: Progress, live) -> None:
 
 def evaluate_and_dump(run: FineTuning, epoch: int) -> dict:
     """The epoch's dev metrics of the model kept (the moving average with train.ema); with a snapshots path,
-    its dev and test predictions as snapshot dumps (kept with the checkpoint until the run ends: `dvc repro`
-    clears a stage's outputs before it runs)."""
+    its predictions of the snapshot splits as dumps, the dev pass's own reused (kept with the checkpoint until
+    the run ends: `dvc repro` clears a stage's outputs before it runs)."""
     directory = run.snapshot_dumps / epoch_dir(epoch)
     model, p = run.average.model, run.p
     dev = {}
