@@ -11,7 +11,8 @@ rest of the wall time, outside any operator, is Python and collation overhead. N
 `--epoch-end` (on by default) also times what the stage does once per epoch after its steps, the evaluation
 passes, as `finetune.evaluate_and_dump` and the raw weights' dev pass run them: the dev pass of the model kept
 (with its dev dumps: the defaults' epoch end), the test predictions `train.snapshot_test` adds, and the raw
-weights' dev pass `train.dev_raw` adds; each as a share of an epoch (its steps at the profiled rate).
+weights' dev pass `train.dev_raw` adds (with a moving average); each as a share of an epoch (its steps at
+the profiled rate). `--no-epoch-end` leaves them out.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.smart_step import scratch_run
 from mtbert import io
-from mtbert.evaluation.evaluate import evaluate
+from mtbert.data.batches import load_split
+from mtbert.evaluation.evaluate import evaluate, predict_split
 from mtbert.params import variant_params
 from mtbert.runtime import setup_logging
 from mtbert.training import finetune
@@ -94,25 +96,31 @@ def breakdown(prof: profile, wall: float) -> dict:
 
 
 def epoch_end_seconds(run: finetune.FineTuning) -> dict[str, float]:
-    """Seconds of one epoch end's evaluation passes, each part timed once after an untimed dev pass (oneDNN
-    builds its kernels for the evaluation's batch shapes)."""
-    def snapshot_data(test: bool) -> dict:
-        p = dataclasses.replace(run.p, snapshot_test=test)
-        return {name: finetune.snapshot_splits(p, run.paths.tokenized, task, run.dev_data[name])
-                for name, task in run.tasks.items()}
-
+    """Seconds of one epoch end's evaluation passes, each timed once after an untimed pass over every split
+    (oneDNN builds its kernels for the evaluation's batch shapes): the defaults' epoch end
+    (`evaluate_and_dump`: the dev pass, its metrics and dumps), the test predictions train.snapshot_test adds,
+    and with a moving average the raw weights' dev pass train.dev_raw adds."""
     def timed(work) -> float:
         started = time.perf_counter()
         work()
         return time.perf_counter() - started
 
-    with_dev, with_test = (dataclasses.replace(run, snapshot_data=snapshot_data(test)) for test in (False, True))
-    evaluate(run.average.model, run.dev_data, run.p.eval_batch_size, run.device, run.bf16)  # warm-up
-    dev = timed(lambda: finetune.evaluate_and_dump(with_dev, 1))
-    dev_and_test = timed(lambda: finetune.evaluate_and_dump(with_test, 1))
-    raw = timed(lambda: evaluate(run.model, run.dev_data, run.p.eval_batch_size, run.device, run.bf16))
-    return {"dev pass and dumps": dev, "test predictions (train.snapshot_test)": max(0.0, dev_and_test - dev),
-            "raw weights' dev pass (train.dev_raw)": raw}
+    def predict_every(splits) -> None:
+        for split in splits:
+            predict_split(run.average.model, split, run.p.eval_batch_size, run.device, run.bf16)
+
+    dev_only = dataclasses.replace(run.p, snapshot_test=False)
+    run = dataclasses.replace(run, snapshot_data={
+        name: finetune.snapshot_splits(dev_only, run.paths.tokenized, task, run.dev_data[name])
+        for name, task in run.tasks.items()})
+    test = [load_split(run.paths.tokenized, task, "test") for task in run.tasks.values()]
+    predict_every([*run.dev_data.values(), *test])  # warm-up
+    seconds = {"dev pass and dumps": timed(lambda: finetune.evaluate_and_dump(run, 1)),
+               "test predictions (train.snapshot_test)": timed(lambda: predict_every(test))}
+    if run.average.separate:
+        seconds["raw weights' dev pass (train.dev_raw)"] = timed(
+            lambda: evaluate(run.model, run.dev_data, run.p.eval_batch_size, run.device, run.bf16))
+    return seconds
 
 
 def epoch_end_figures(seconds: dict[str, float], step_seconds: float, steps_per_epoch: int) -> dict:

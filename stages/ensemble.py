@@ -53,6 +53,8 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
     variants = sorted(params.models)
     report: dict = {"variants": variants, "method": method_name(options)}
     methods = {method_name(method): {} for method in every_method(options)}
+    if options.snapshots:
+        require_test_snapshots(snapshots_dir, variants, list(tasks.values()))
     for task in tasks.values():
         dev_ids, labels = dev_labels(tokenized_dir, task)
         dev = {snapshots: candidates(predictions_dir, snapshots_dir, variants, task, "dev", dev_ids, snapshots)
@@ -99,17 +101,21 @@ def candidates(predictions_dir: Path, snapshots_dir: Path, variants: list[str], 
             chosen = chosen_epoch(snapshots_dir / name, task)
             for folder in sorted(p for p in (snapshots_dir / name).glob("epoch-*") if p.is_dir()):
                 if folder.name != f"epoch-{chosen}":  # that one is the variant's own dump
-                    require_snapshot_dump(folder, task, split)
                     found[f"{name}@{folder.name}"] = read_aligned(folder, task, split, ids)
     return found
 
 
-def require_snapshot_dump(folder: Path, task: Task, split: str) -> None:
-    """`train` predicts test at an epoch's end only with train.snapshot_test: say so rather than 'missing'."""
-    path = dump_path(folder, task.name, split)
-    if split == "test" and not path.is_file():
-        raise MissingInputError(f"{path} is missing: ensemble.snapshots: true averages every epoch's test "
-                                "predictions, which train writes with train.snapshot_test: true (set it, `dvc repro`)")
+def require_test_snapshots(snapshots_dir: Path, variants: list[str], tasks: list[Task]) -> None:
+    """`train` predicts test at an epoch's end only with train.snapshot_test: before any work, say so rather
+    than stop at the first missing dump."""
+    for name in variants:
+        for folder in sorted(p for p in (snapshots_dir / name).glob("epoch-*") if p.is_dir()):
+            for task in tasks:
+                path = dump_path(folder, task.name, "test")
+                if not path.is_file():
+                    raise MissingInputError(f"{path} is missing: ensemble.snapshots: true averages every epoch's "
+                                            "test predictions, which train writes with train.snapshot_test: true "
+                                            "(set it, `dvc repro`)")
 
 
 def chosen_epoch(directory: Path, task: Task) -> int:

@@ -51,7 +51,7 @@ def main(variant: str = typer.Option(..., "--variant", help="a key of `models:` 
          models_dir: Path = typer.Option(Path("models")),
          metrics_dir: Path = typer.Option(Path("metrics/train")),
          checkpoints_dir: Path = typer.Option(Path("checkpoints")),
-         snapshots_dir: Path = typer.Option(Path("data/snapshots"), help="per-epoch dev and test prediction dumps"),
+         snapshots_dir: Path = typer.Option(Path("data/snapshots"), help="per-epoch prediction dumps"),
          pretrained_dir: Path = typer.Option(Path("models/pretrained"), help="the encoder to start from")) -> None:
     setup_logging()
     params = variant_params(params_file, variant)

@@ -16,7 +16,7 @@ from mtbert.evaluation.seeds import compare_groups, group_statistics, seed_group
 from mtbert.params import EnsembleParams
 from mtbert.runtime import MissingInputError
 from mtbert.training.selection import chosen_epochs, chosen_metrics
-from stages.ensemble import candidates
+from stages.ensemble import candidates, require_test_snapshots
 from tests.conftest import REPO_ROOT, TASKS
 
 SST, QQP, STS = TASKS["sst"], TASKS["qqp"], TASKS["sts"]
@@ -138,12 +138,16 @@ def test_snapshots_enter_the_candidates_only_when_enabled(tmp_path):
     assert sorted(with_snapshots) == ["base", "base@epoch-1", "seed1", "seed1@epoch-2"]
     assert with_snapshots["base@epoch-1"].tolist() == [0.1, 0.2, 0.3]  # aligned to the ids' order
     # train wrote no epoch's test predictions (train.snapshot_test: false): the error says which knob writes them
-    write_dump(tmp_path / "predictions" / "base", QQP, "test", ids, np.array([0.1, 0.5, 0.9]))
-    assert sorted(candidates(tmp_path / "predictions", tmp_path / "snapshots", ["base"], QQP, "test", ids, False)) == [
-        "base"]
     with pytest.raises(MissingInputError, match=r"base/epoch-1/qqp-test.parquet is missing: ensemble.snapshots: "
                                                  r"true .* train.snapshot_test: true"):
-        candidates(tmp_path / "predictions", tmp_path / "snapshots", ["base"], QQP, "test", ids, True)
+        require_test_snapshots(tmp_path / "snapshots", ["base", "seed1"], [QQP])
+    for variant in ("base", "seed1"):
+        for epoch in (1, 2):
+            write_dump(tmp_path / "snapshots" / variant / f"epoch-{epoch}", QQP, "test", ids, np.array([0.3, 0.2, 0.1]))
+    require_test_snapshots(tmp_path / "snapshots", ["base", "seed1"], [QQP])  # every epoch has its test dumps
+    write_dump(tmp_path / "predictions" / "base", QQP, "test", ids, np.array([0.1, 0.5, 0.9]))
+    with_test = candidates(tmp_path / "predictions", tmp_path / "snapshots", ["base"], QQP, "test", ids, True)
+    assert sorted(with_test) == ["base", "base@epoch-1"] and with_test["base@epoch-1"].tolist() == [0.3, 0.2, 0.1]
 
 
 def test_metrics_are_stored_at_four_significant_digits(tmp_path):

@@ -132,7 +132,7 @@ class FineTuning:
     model: MultitaskModel
     train_data: dict[str, TaskSplit]
     dev_data: dict[str, TaskSplit]
-    snapshot_data: dict[str, dict[str, TaskSplit]]  # per task, the whole dev and test splits to dump
+    snapshot_data: dict[str, dict[str, TaskSplit]]  # per task, the whole splits each epoch dumps
     row_lengths: dict[str, np.ndarray]  # per task, each training row's tokens as the model reads them
     streams: dict[str, TaskStream]
     optimizer: torch.optim.Optimizer
@@ -228,7 +228,7 @@ def run_fingerprint(params: Params, tokenized_dir: Path, pretrained: Path | None
     relevant = {key: value for key, value in as_dict(params).items() if key not in NOT_TRAINING}
     digest.update(json.dumps({**relevant, "world_size": world_size}, sort_keys=True).encode())
     for task in params.tasks:
-        for split in ("train", "dev", "test"):  # test: the snapshot dumps predict it
+        for split in ("train", "dev", "test"):  # test: train.snapshot_test's dumps predict it
             digest.update(tokenized_input(tokenized_dir, task, split).read_bytes())
     for path in sorted(pretrained.glob("*.safetensors")) if pretrained is not None else []:
         digest.update(path.read_bytes())

@@ -27,7 +27,7 @@ class Paths:
     live_dir: Path
     checkpoints: Path
     pretrained: Path | None = None  # fine-tuning: the `pretrain` stage's output; None starts from model.name
-    snapshots: Path | None = None  # fine-tuning: where each epoch's dev and test prediction dumps go
+    snapshots: Path | None = None  # fine-tuning: where each epoch's prediction dumps go
 
 
 class Stopwatch:
