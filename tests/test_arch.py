@@ -263,3 +263,43 @@ def test_max_train_examples_caps_one_tasks_training_rows_and_leaves_dev_whole(tm
     assert len(run.train_data["sst"]) == len(whole.train_data["sst"])
     assert all(len(run.dev_data[task]) == len(whole.dev_data[task]) for task in run.tasks)
     assert run.steps_per_epoch < whole.steps_per_epoch
+
+
+def attention_implementations(model) -> set[str]:
+    """What every self-attention module of the model's encoders runs (shared layers read their own encoder's
+    config, a task's own layers their tower's)."""
+    return {module.config._attn_implementation for module in model.modules()
+            if type(module).__name__ == "BertSelfAttention"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_cpu_trains_with_eager_attention_and_evaluates_with_the_fused_kernel(params, encoder, batches, arch):
+    model = MultitaskModel(encoder, TASKS, params.heads, arch, 1)
+    model.train()
+    expected = {"eager", "sdpa"} if arch == "static" else {"eager"}  # the frozen copy never trains
+    assert attention_implementations(model) == expected
+    model.eval()
+    assert attention_implementations(model) == {"sdpa"}
+
+
+def test_eager_training_attention_draws_the_fused_paths_dropout_masks(params, encoder, batches):
+    model = MultitaskModel(encoder, TASKS, params.heads, "cerbertus", 1).train()
+    outputs_by_attention = {}
+    for implementation in ("eager", "sdpa"):
+        for tower in model.encoders.distinct_encoders():
+            tower.set_attn_implementation(implementation)
+        torch.manual_seed(0)
+        outputs_by_attention[implementation] = {task: model(task, batch) for task, batch in batches.items()}
+    torch.manual_seed(1)
+    other_masks = {task: model(task, batch) for task, batch in batches.items()}
+    for task in batches:  # the same masks: only float rounding apart; other masks are far apart
+        torch.testing.assert_close(outputs_by_attention["eager"][task], outputs_by_attention["sdpa"][task],
+                                   rtol=1e-5, atol=1e-5)
+        assert (other_masks[task] - outputs_by_attention["sdpa"][task]).abs().max() > 1e-3
+
+
+def test_without_attention_dropout_training_keeps_the_fused_kernel(params, dropout_free_backbone, batches):
+    from mtbert.model.backbone import load_encoder
+
+    model = MultitaskModel(load_encoder(str(dropout_free_backbone)), TASKS, params.heads, "shared").train()
+    assert attention_implementations(model) == {"sdpa"}  # with no dropout, sdpa's CPU kernel applies

@@ -124,6 +124,55 @@ def test_profile_groups_a_steps_operators_into_categories(tmp_path, tiny_backbon
     assert "an epoch end's evaluation" in result.output
 
 
+def test_two_half_masks_follow_torchs_seed_and_keep_the_rate():
+    import torch
+
+    from bench.dropout_masks import TwoHalfMasks
+
+    masks = TwoHalfMasks()
+    torch.manual_seed(0)
+    first = masks.mask((400, 500), 0.9)
+    torch.manual_seed(0)
+    again = masks.mask((400, 500), 0.9)
+    assert first.dtype == torch.bool and torch.equal(first, again)  # the run's seed decides the masks
+    assert abs(first.float().mean().item() - 0.9) < 0.005
+    one_half, other_half = first.view(-1).chunk(2)
+    assert not torch.equal(one_half, other_half)  # each half its own stream
+    assert masks.mask((1,), 0.5).shape == (1,) and masks.mask((0, 3), 0.5).shape == (0, 3)
+
+
+def test_two_half_dropout_scales_the_kept_values_and_their_gradient():
+    import torch
+
+    from bench.dropout_masks import TwoHalfMasks
+
+    masks = TwoHalfMasks()
+    x = torch.randn(6, 7, requires_grad=True)
+    torch.manual_seed(1)
+    y = masks.dropout(x, 0.25)
+    y.backward(torch.ones_like(y))
+    torch.manual_seed(1)
+    mask = masks.mask((6, 7), 0.75)
+    assert torch.allclose(y, x.detach() * mask / 0.75) and torch.allclose(x.grad, mask / 0.75)
+    assert masks.dropout(x, 0.25, training=False) is x and masks.dropout(x, 0.0) is x
+
+
+def test_dropout_probe_times_every_arm(tmp_path, tiny_backbone, tiny_tokenized):
+    from bench.dropout_masks import app as probe_app
+
+    params = make_params(tmp_path, tiny_backbone, write_raw_files(tmp_path / "raw", synthetic_raw_files(16)))
+    out = tmp_path / "dropout.json"
+    result = CliRunner().invoke(probe_app, ["--steps", "2", "--block", "1", "--mask-repeats", "2",
+                                            "--params-file", str(params), "--tokenized-dir", str(tiny_tokenized),
+                                            "--json-out", str(out)])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    assert set(figures["steps"]) == {"stage", "stage, two-half masks", "fused attention (sdpa)"}
+    assert figures["timed_steps"] == 2 and figures["steps"]["stage"]["speedup_over_stage"] == 1.0
+    assert all(entry["mean_step_seconds"] > 0 for entry in figures["steps"].values())
+    assert figures["mask_speedup"] > 0 and isinstance(figures["mkl_draws_masks"], bool)
+
+
 def test_deploy_bench_writes_every_figure(tmp_path, deployed):
     """Figure 8 on the small exported variant: every engine, the cold starts and the bounded load test."""
     from bench.deploy import app as deploy_app

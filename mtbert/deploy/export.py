@@ -44,7 +44,7 @@ from mtbert.deploy.quantize import quantize
 from mtbert.evaluation.evaluate import predict_split
 from mtbert.evaluation.metrics import overall, task_metrics
 from mtbert.integrity import read_manifest, write_manifest
-from mtbert.model.architectures import SHARED_DIR
+from mtbert.model.architectures import SHARED_DIR, attention_implementation
 from mtbert.model.backbone import load_tokenizer as load_hf_tokenizer
 from mtbert.model.saved import TaskSnapshots, epoch_dir, load_model
 from mtbert.params import ExportParams
@@ -189,7 +189,8 @@ def export_graph(model: nn.Module, task: str, encoding: str, tokenizer, path: Pa
     names = GRAPH_INPUTS[encoding]
     tokens = encode(tokenizer, encoding, EXAMPLE_ROWS)
     feed = batch_feed(encoding, tokens, np.arange(len(EXAMPLE_ROWS)))
-    with eager_attention(own), quiet_exporter(), torch.no_grad():
+    # eager: explicit matmuls, softmax and mask, the form ONNX Runtime's optimizer fuses into its Attention kernel
+    with attention_implementation(own, "eager"), quiet_exporter(), torch.no_grad():
         torch.onnx.export(graph, tuple(torch.from_numpy(feed[name]) for name in names), str(path), dynamo=False,
                           input_names=list(names), output_names=["prediction"], opset_version=opset,
                           dynamic_axes=dynamic_axes(names))
@@ -199,21 +200,6 @@ def export_graph(model: nn.Module, task: str, encoding: str, tokenizer, path: Pa
 def dynamic_axes(names: tuple[str, ...]) -> dict[str, dict]:
     """Every input's batch axis (one for all) and sequence axis (a bi-encoder's two sentences each their own)."""
     return {name: {0: "batch", 1: "sequence" + (name[-2:] if name[-2:] in ("_1", "_2") else "")} for name in names}
-
-
-@contextlib.contextmanager
-def eager_attention(model: nn.Module) -> Iterator[None]:
-    """The model's encoders with eager attention (explicit matmuls, softmax and mask) while exporting, the
-    form ONNX Runtime's optimizer fuses into its Attention kernel; their own implementation after."""
-    encoders = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
-    before = [encoder.config._attn_implementation for encoder in encoders]
-    for encoder in encoders:
-        encoder.set_attn_implementation("eager")
-    try:
-        yield
-    finally:
-        for encoder, implementation in zip(encoders, before, strict=True):
-            encoder.set_attn_implementation(implementation)
 
 
 def encoder_config(model: nn.Module):

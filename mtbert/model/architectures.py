@@ -16,7 +16,9 @@ very modules of the shared encoder, so every form runs the library's own forward
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 
 from torch import nn
@@ -36,6 +38,31 @@ def replicate_top(encoder: nn.Module, task_layers: int) -> nn.Module:
     if task_layers == 0 and getattr(encoder, "pooler", None) is not None:
         tower.pooler = encoder.pooler
     return tower
+
+
+def attention_for(encoder: nn.Module) -> str:
+    """The attention implementation for the encoder's mode and device. PyTorch's fused attention (`sdpa`)
+    has no CPU kernel with dropout: a CPU encoder training with attention dropout would run sdpa's unfused
+    math path, which is slower than the encoder's own attention (`eager`). Both compute the same operations
+    and draw the same dropout masks in the same order; only float rounding differs. Everything else
+    (evaluation, prediction, training on a GPU) keeps the fused kernels."""
+    on_cpu = next(encoder.parameters()).device.type == "cpu"
+    dropout = getattr(encoder.config, "attention_probs_dropout_prob", 0.0) > 0  # a BERT-family config
+    return "eager" if encoder.training and on_cpu and dropout else "sdpa"
+
+
+@contextlib.contextmanager
+def attention_implementation(model: nn.Module, implementation: str) -> Iterator[None]:
+    """Every transformers encoder in `model` with this attention implementation inside; their own after."""
+    encoders = [module for module in model.modules() if hasattr(module, "set_attn_implementation")]
+    before = [encoder.config._attn_implementation for encoder in encoders]
+    for encoder in encoders:
+        encoder.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        for encoder, previous in zip(encoders, before, strict=True):
+            encoder.set_attn_implementation(previous)
 
 
 class TaskEncoders(nn.Module):
@@ -82,7 +109,16 @@ class TaskEncoders(nn.Module):
         super().train(mode)
         if self.static is not None:
             self.static.eval()  # frozen: no dropout either
+        for encoder in self.distinct_encoders():
+            implementation = attention_for(encoder)
+            if encoder.config._attn_implementation != implementation:
+                encoder.set_attn_implementation(implementation)
         return self
+
+    def distinct_encoders(self) -> list[nn.Module]:
+        """Every encoder once (cerbertus and independent: the first task's tower is the shared encoder)."""
+        encoders = [self.shared, *self.towers.values(), *([self.static] if self.static is not None else [])]
+        return list({id(encoder): encoder for encoder in encoders}.values())
 
     # --- files ---------------------------------------------------------------------------------------
     def extra_encoders(self) -> dict[str, nn.Module]:

@@ -114,8 +114,9 @@ def load_tokenizer(name: str, **kwargs):
 
 
 def load_encoder(name: str, **kwargs):
-    """The bare encoder (no task head) with PyTorch's fused scaled-dot-product attention; from a local
-    folder, its files are checked (mtbert/model/files.py)."""
+    """The bare encoder (no task head) with PyTorch's fused scaled-dot-product attention (training on a CPU
+    switches to the encoder's own: mtbert/model/architectures.py `attention_for`); from a local folder, its
+    files are checked (mtbert/model/files.py)."""
     from transformers import AutoModel
 
     source = resolve_backbone(name)
