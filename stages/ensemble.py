@@ -99,7 +99,7 @@ def candidates(predictions_dir: Path, snapshots_dir: Path, variants: list[str], 
     if snapshots:
         for name in variants:
             chosen = chosen_epoch(snapshots_dir / name, task)
-            for folder in sorted(p for p in (snapshots_dir / name).glob("epoch-*") if p.is_dir()):
+            for folder in epoch_folders(snapshots_dir / name):
                 if folder.name != f"epoch-{chosen}":  # that one is the variant's own dump
                     found[f"{name}@{folder.name}"] = read_aligned(folder, task, split, ids)
     return found
@@ -109,13 +109,18 @@ def require_test_snapshots(snapshots_dir: Path, variants: list[str], tasks: list
     """`train` predicts test at an epoch's end only with train.snapshot_test: before any work, say so rather
     than stop at the first missing dump."""
     for name in variants:
-        for folder in sorted(p for p in (snapshots_dir / name).glob("epoch-*") if p.is_dir()):
+        for folder in epoch_folders(snapshots_dir / name):
             for task in tasks:
                 path = dump_path(folder, task.name, "test")
                 if not path.is_file():
                     raise MissingInputError(f"{path} is missing: ensemble.snapshots: true averages every epoch's "
                                             "test predictions, which train writes with train.snapshot_test: true "
                                             "(set it, `dvc repro`)")
+
+
+def epoch_folders(directory: Path) -> list[Path]:
+    """A variant's per-epoch snapshot folders (`epoch-<E>`), in order."""
+    return sorted(path for path in directory.glob("epoch-*") if path.is_dir())
 
 
 def chosen_epoch(directory: Path, task: Task) -> int:
