@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 import typer
 
-from bench.smart_step import scratch_run, timed_steps
+from bench.smart_step import alternate_blocks, scratch_run, timed_steps
 from bench.suite import cpu_name
 from mtbert import io
 from mtbert.model.architectures import attention_implementation
@@ -45,6 +45,7 @@ from mtbert.training.finetune import schedule
 
 app = typer.Typer(add_completion=False)
 FFN_ACTIVATION = (32 * 40, 1536)  # a default batch's mean padded tokens by the FFN's width
+BERT_DROPOUT = 0.1  # the backbone's hidden and attention-probability dropout
 
 
 class TwoHalfMasks:
@@ -121,26 +122,20 @@ def mask_milliseconds(draw: Callable[[], torch.Tensor], repeats: int) -> float:
     return (time.perf_counter() - started) / repeats * 1e3
 
 
-def arms(run, masks: TwoHalfMasks) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
-    """Each arm's setting of the model, entered around each of its blocks."""
-    return {"stage": contextlib.nullcontext,
-            "stage, two-half masks": lambda: dropout_function(masks.dropout),
-            "fused attention (sdpa)": lambda: attention_implementation(run.model, "sdpa")}
+def arms(run, progress, masks: TwoHalfMasks) -> dict[str, Callable[[list], list[float]]]:
+    """Each arm: the steps of a block of batches, timed inside its setting of the model."""
+    settings = {"stage": contextlib.nullcontext,
+                "stage, two-half masks": lambda: dropout_function(masks.dropout),
+                "fused attention (sdpa)": lambda: attention_implementation(run.model, "sdpa")}
+    return {name: timed_in(setting, run, progress) for name, setting in settings.items()}
 
 
-def alternating_step_times(run, progress, settings: dict, steps: int, block: int) -> dict[str, list[float]]:
-    """Seconds per step of each arm, alternating block by block over the same batches after one untimed block
-    each."""
-    batches = schedule(run, 0)[: block + steps]
-    for setting in settings.values():
+def timed_in(setting: Callable[[], contextlib.AbstractContextManager], run, progress) -> Callable[[list], list[float]]:
+    """An arm for `alternate_blocks`: the steps of its batches, timed inside the setting."""
+    def time_steps(batches: list) -> list[float]:
         with setting():
-            timed_steps(run, progress, batches[:block])
-    times: dict[str, list[float]] = {name: [] for name in settings}
-    for start in range(block, len(batches), block):
-        for name, setting in settings.items():
-            with setting():
-                times[name] += timed_steps(run, progress, batches[start:start + block])
-    return times
+            return timed_steps(run, progress, batches)
+    return time_steps
 
 
 @app.command()
@@ -154,13 +149,13 @@ def main(steps: int = typer.Option(24, help="timed training steps per arm"),
     setup_logging("WARNING")
     params = variant_params(params_file, variant)
     masks = TwoHalfMasks()
-    keep = 1.0 - 0.1
+    keep = 1.0 - BERT_DROPOUT
     mask_ms = {"pytorch": mask_milliseconds(lambda: torch.empty(FFN_ACTIVATION).bernoulli_(keep), mask_repeats),
                "two halves": mask_milliseconds(lambda: masks.mask(FFN_ACTIVATION, keep), mask_repeats)}
     with tempfile.TemporaryDirectory() as scratch:
         run, progress = scratch_run(params, variant, tokenized_dir, Path(scratch))
         run.model.train()
-        times = alternating_step_times(run, progress, arms(run, masks), steps, block)
+        times = alternate_blocks(arms(run, progress, masks), schedule(run, 0)[: block + steps], block)
     report(mask_ms, times, run.bf16, json_out)
 
 

@@ -12,9 +12,11 @@ update. They alternate in blocks, so drift in the machine's speed hits both alik
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -67,20 +69,26 @@ def scratch_run(params, variant: str, tokenized_dir: Path, scratch: Path) -> tup
     return setup(params, variant, paths)
 
 
+def alternate_blocks(arms: dict[str, Callable[[list], list[float]]], batches: list,
+                     block: int) -> dict[str, list[float]]:
+    """Each arm's seconds per step over the same batches, block by block in turn after one untimed block each,
+    so a slow spell of the machine hits every arm alike. An arm times the steps of the batches it is given."""
+    for time_steps in arms.values():  # warm-up, untimed
+        time_steps(batches[:block])
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for start in range(block, len(batches), block):
+        for name, time_steps in arms.items():
+            times[name] += time_steps(batches[start:start + block])
+    return times
+
+
 def alternating_step_times(run: FineTuning, progress: Progress, steps: int, block: int,
                            smart_steps: int) -> dict[str, list[float]]:
-    """Seconds per step of plain, SMART(K = smart_steps) and random-mode training, alternating block by
-    block over the same batches, so a slow spell of the machine hits all three alike."""
+    """Seconds per step of plain, SMART(K = smart_steps) and random-mode training over the same batches."""
     runs = {"plain": plain_run(run), "smart": smart_run(run, smart_steps),
             "random": smart_run(run, smart_steps, mode="random")}
-    steps_run = schedule(run, 0)[: block + steps]
-    for variant in runs.values():  # warm-up, untimed
-        timed_steps(variant, progress, steps_run[:block])
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for start in range(block, len(steps_run), block):
-        for name, variant in runs.items():
-            times[name] += timed_steps(variant, progress, steps_run[start:start + block])
-    return times
+    arms = {name: functools.partial(timed_steps, variant, progress) for name, variant in runs.items()}
+    return alternate_blocks(arms, schedule(run, 0)[: block + steps], block)
 
 
 @app.command()
