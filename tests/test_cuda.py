@@ -47,6 +47,22 @@ def linear_outputs():
         handle.remove()
 
 
+@contextlib.contextmanager
+def attention_in_training():
+    """The attention implementation of every self-attention module that ran in training mode in the block."""
+    seen: set[str] = set()
+
+    def hook(module, inputs, output):
+        if type(module).__name__ == "BertSelfAttention" and module.training:
+            seen.add(module.config._attn_implementation)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
 def stage_paths(out: Path, tokenized: Path) -> Paths:
     """Variant `base` laid out under `out` as `python -m stages.train` lays it out (tests/runs.py reads it)."""
     return Paths(tokenized=tokenized, model_out=out / "models" / "base", metrics_out=out / "metrics" / "base.json",
@@ -188,3 +204,11 @@ def test_a_killed_cuda_run_resumes_to_the_uninterrupted_result(tmp_path, tiny_ba
     subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True)
     assert_trained_alike(tmp_path / "a", tmp_path / "b", tiny_backbone)
     assert not (tmp_path / "b" / "ck" / "base").exists()
+
+
+def test_a_gpu_trains_with_the_fused_attention_kernel(tmp_path, tiny_backbone, tiny_tokenized):
+    # a CPU trains with eager attention (sdpa has no CPU kernel with dropout, tests/test_arch.py); CUDA's
+    # fused kernels take attention dropout, so the stage's training passes on a GPU keep sdpa
+    with attention_in_training() as seen:
+        train_in_process(tmp_path, tiny_backbone, tiny_tokenized)
+    assert seen == {"sdpa"}
