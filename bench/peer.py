@@ -8,8 +8,8 @@ Trainer's default optimiser (fused AdamW on recent versions) and linear schedule
 `train.grad_clip`; pairs cross-encoded as `[CLS] a [SEP] b [SEP]` (the tokenized Parquet's `input_ids` and
 `token_type_ids`), whatever encoding mtbert's own head for the task uses.
 
-A peer step is what `Trainer.train`'s inner loop does per batch with no gradient accumulation: fetch the
-batch from `get_train_dataloader()` (collation included, through `get_batch_samples` where the installed
+A peer step is what `Trainer.train`'s inner loop does per batch with no gradient accumulation: collate
+the batch with the Trainer's `DataCollatorWithPadding` (through `get_batch_samples` where the installed
 version has it), `training_step`, gradient clipping, `optimizer.step`, `lr_scheduler.step`, `zero_grad`;
 the model and optimiser prepared by the Trainer's `accelerator` as `train` prepares them (that is where
 bf16 autocast comes from). An mtbert step is what the `train` stage runs: `finetune.step` then
@@ -20,10 +20,15 @@ its first `steps_per_task` steps of each task, in schedule order), run by both s
 block, so a change in the machine's speed hits both alike. The overall figures weight each task by its
 share of an epoch's batches, so they are the rate of a whole epoch's mix.
 
-Each side's timed batches of a task are spread evenly over an epoch of its own batch order (the batches
-between them are drawn untimed and dropped): the first batches of an epoch are no fair sample of it.
-`group_by_length` sorts each megabatch of 50 batches longest first, so a Trainer's first dozen steps
-carry about the longest quarter of the rows.
+Both sides train on the same examples: each timed peer step collates the rows of the batch mtbert's step
+just trained on. Batches are sorted by length, so a dozen batches drawn by each side's own sampler can
+differ in mean length by a third, and their examples/s with it. mtbert's timed batches are
+spread evenly over an epoch of its batch order (the batches between them are drawn untimed and dropped):
+the first batches of an epoch are no fair sample of it.
+
+What the samplers themselves cost, padding, is counted apart, over one whole epoch of each side's own
+batches and without training: mtbert's length-bucketed windows of `train.bucket_batches` batches against
+the Trainer's `group_by_length` (megabatches of 50 batches, each sorted longest first).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mtbert.data.batches import TaskSplit
+from mtbert.data.batches import TaskSplit, bucketed_batches
 from mtbert.model.backbone import load_tokenizer, resolve_backbone, starting_point
 from mtbert.runtime import UserError
 from mtbert.training.finetune import FineTuning, Progress, schedule, step, update
@@ -62,7 +67,7 @@ class Tally:
     def figures(self) -> dict:
         return {"examples_per_second": round(self.examples / self.seconds, 2),
                 "tokens_per_second": round(self.tokens / self.seconds, 1), "seconds": round(self.seconds, 3),
-                "examples": self.examples, "batches": self.batches}
+                "examples": self.examples, "tokens": self.tokens, "batches": self.batches}
 
 
 def mixed_rate(tallies: dict[str, Tally], share: dict[str, float]) -> dict:
@@ -93,6 +98,22 @@ class CrossEncodedRows(torch.utils.data.Dataset):
         return {"input_ids": ids.values[ids.offsets[i]:ids.offsets[i + 1]].tolist(),
                 "token_type_ids": types.values[types.offsets[i]:types.offsets[i + 1]].tolist(),
                 "labels": self.labels[i].item()}
+
+
+def padding_fraction(batches: list[np.ndarray], lengths: list[np.ndarray]) -> float:
+    """The share of the tokens an epoch of `batches` computes that are padding: each batch is padded to its
+    longest row, once per token column (`lengths`: a bi-encoder's two sentences are padded apart)."""
+    real = sum(int(column.sum()) for column in lengths)
+    padded = sum(int(column[rows].max()) * len(rows) for column in lengths for rows in batches if len(rows))
+    return round(1 - real / padded, 4)
+
+
+def mtbert_padding(run: FineTuning, task: str) -> float:
+    """Padding of one pass of the task's own stream: length-bucketed windows, as the model reads the rows."""
+    stream, split = run.streams[task], run.train_data[task]
+    batches = bucketed_batches(stream.lengths, stream.batch_size, stream.bucket_batches, np.random.default_rng(0))
+    columns = ("input_ids_1", "input_ids_2") if run.model.encoding(task) == "bi" else ("input_ids",)
+    return padding_fraction(batches, [split.tokens[column].lengths() for column in columns])
 
 
 def num_labels(kind) -> int:
@@ -146,43 +167,34 @@ class TrainerPeer:
         trainer.model_wrapped = self.model
         trainer.create_scheduler(num_training_steps=math.ceil(len(dataset) / args.per_device_train_batch_size)
                                  * run.p.epochs, optimizer=trainer.optimizer)
-        self.trainer, self.args = trainer, args
-        self.dataloader = trainer.get_train_dataloader()
-        self.epoch, self.batches = 0, iter(self.dataloader)
+        self.trainer, self.args, self.dataset = trainer, args, dataset
         self.takes_items = "num_items_in_batch" in inspect.signature(trainer.training_step).parameters
         fetch = getattr(trainer, "get_batch_samples", None)  # 4.46+: the loop fetches through it
         self.fetch_takes_device = fetch is not None and "device" in inspect.signature(fetch).parameters
         self.model.zero_grad()
 
-    def next_batch(self) -> tuple[dict, object]:
-        """The next batch and its item count for the loss, as the inner loop fetches them; a new epoch of
-        the dataloader when one ends."""
-        trainer = self.trainer
-        for _ in range(2):
-            if hasattr(trainer, "get_batch_samples"):
-                extra = (self.args.device,) if self.fetch_takes_device else ()
-                batches, items = trainer.get_batch_samples(self.batches, 1, *extra)
-                if batches:
-                    return batches[0], items
-            else:
-                batch = next(self.batches, None)
-                if batch is not None:
-                    return batch, None
-            self.epoch += 1
-            if hasattr(self.dataloader, "set_epoch"):
-                self.dataloader.set_epoch(self.epoch)
-            self.batches = iter(self.dataloader)
-        raise RuntimeError("the Trainer's dataloader yields no batch")
+    def collate(self, rows: np.ndarray) -> tuple[dict, object]:
+        """These rows as the Trainer's inner loop receives a batch: collated and padded by its collator, with
+        the item count for the loss that `get_batch_samples` adds where the installed version has it."""
+        batch = self.trainer.data_collator([self.dataset[int(row)] for row in rows])
+        if not hasattr(self.trainer, "get_batch_samples"):
+            return batch, None
+        extra = (self.args.device,) if self.fetch_takes_device else ()
+        batches, items = self.trainer.get_batch_samples(iter([batch]), 1, *extra)
+        return batches[0], items
 
-    def skip(self, batches: int) -> None:
-        """Draw `batches` batches and drop them, untimed: the next timed batch lies further on in the epoch."""
-        for _ in range(batches):
-            self.next_batch()
+    def padding(self) -> float:
+        """Padding of one epoch of the Trainer's own batches (its `group_by_length` sampler's order)."""
+        with torch.random.fork_rng():  # the sampler shuffles with torch's global generator
+            order = np.fromiter(iter(self.trainer._get_train_sampler()), dtype=np.int64)
+        size = self.args.per_device_train_batch_size
+        batches = [order[start:start + size] for start in range(0, len(order), size)]
+        return padding_fraction(batches, [self.dataset.ids.lengths()])
 
-    def step(self) -> tuple[int, int]:
-        """One training step of one batch; its examples and non-padding tokens."""
+    def step(self, rows: np.ndarray) -> tuple[int, int]:
+        """One training step of the batch of these rows; its examples and non-padding tokens."""
         trainer = self.trainer
-        inputs, items = self.next_batch()
+        inputs, items = self.collate(rows)
         examples, tokens = len(inputs["input_ids"]), int(inputs["attention_mask"].sum())
         trainer.current_gradient_accumulation_steps = 1
         trainer.training_step(self.model, inputs, **({"num_items_in_batch": items} if self.takes_items else {}))
@@ -209,6 +221,17 @@ def mtbert_skip(run: FineTuning, task: str, batches: int) -> None:
         run.streams[task].next()
 
 
+def next_rows(run: FineTuning, tasks: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The rows of each task's next batch, leaving the streams where they were."""
+    rows = {}
+    for task in tasks:
+        stream = run.streams[task]
+        state = stream.state()
+        rows[task] = stream.next()
+        stream.load_state(state)
+    return rows
+
+
 # --- the plan and the measurement -------------------------------------------------------------------
 def timed_plan(run: FineTuning, steps_per_task: int) -> list[tuple[str, ...]]:
     """The first `steps_per_task` steps of each task in mtbert's schedule, in schedule order (the epochs'
@@ -228,7 +251,7 @@ def timed_plan(run: FineTuning, steps_per_task: int) -> list[tuple[str, ...]]:
 
 def batches_between(batches_per_epoch: int, timed_steps: int) -> int:
     """Batches to drop before each timed one, so that one untimed warm-up batch and `timed_steps` timed
-    ones lie evenly over one epoch of `batches_per_epoch`."""
+    ones lie evenly over one epoch of `batches_per_epoch` (the next epoch is another order)."""
     return max(0, batches_per_epoch // (timed_steps + 1) - 1)
 
 
@@ -243,9 +266,10 @@ def task_share(run: FineTuning) -> dict[str, float]:
 
 
 def peer_figures(run: FineTuning, progress: Progress, steps_per_task: int, block: int, scratch: Path) -> dict:
-    """Examples/s and non-padding tokens/s of the Trainer peer and of mtbert's `train` step, per task and
-    over an epoch's task mix, alternating block by block over the same schedule of tasks; the ratio
-    mtbert / peer of examples/s. mtbert's batch streams are left where they were."""
+    """Examples/s and non-padding tokens/s of the Trainer peer and of mtbert's `train` step on the same
+    batches' examples, per task and over an epoch's task mix, alternating block by block; the ratio
+    mtbert / peer of examples/s; each side's padding over an epoch. mtbert's batch streams are left where
+    they were."""
     from transformers.utils import logging as hf_logging
 
     threads, verbosity = torch.get_num_threads(), hf_logging.get_verbosity()
@@ -263,32 +287,34 @@ def peer_figures(run: FineTuning, progress: Progress, steps_per_task: int, block
     whole = {side: Tally() for side in sides}  # everything timed, for steps of several tasks (sampler: joint)
     dropped = {task: batches_between(stream.batches_per_pass, steps_per_task) for task, stream in run.streams.items()}
     for task in run.tasks:  # warm-up, untimed: a batch of each task each way
-        peers[task].step()
+        peers[task].step(next_rows(run, (task,))[task])
         mtbert_step(run, progress, (task,))
     for start in range(0, len(plan), block):
+        trained = []  # each mtbert step's rows, by task, for the peer's steps after the block
         for tasks in plan[start:start + block]:
             for task in tasks:
                 mtbert_skip(run, task, dropped[task])
+            trained.append(next_rows(run, tasks))
             started = time.perf_counter()
             examples, tokens = mtbert_step(run, progress, tasks)
             seconds = time.perf_counter() - started
             whole["mtbert"].add(seconds, examples, tokens)
             if len(tasks) == 1:
                 tallies["mtbert"][tasks[0]].add(seconds, examples, tokens)
-        for tasks in plan[start:start + block]:
-            for task in tasks:
-                peers[task].skip(dropped[task])
+        for rows in trained:
+            for task, task_rows in rows.items():
                 started = time.perf_counter()
-                examples, tokens = peers[task].step()
+                examples, tokens = peers[task].step(task_rows)
                 seconds = time.perf_counter() - started
                 whole["peer"].add(seconds, examples, tokens)
                 tallies["peer"][task].add(seconds, examples, tokens)
     for task, stream in run.streams.items():
         stream.load_state(streams[task])
+    padding = {task: {"peer": peers[task].padding(), "mtbert": mtbert_padding(run, task)} for task in run.tasks}
     peer_setup = peers[next(iter(peers))].args
     del peers
     gc.collect()
-    return summarise(tallies, whole, share, steps_per_task, run.bf16, peer_setup)
+    return {**summarise(tallies, whole, share, steps_per_task, run.bf16, peer_setup), "padding": padding}
 
 
 def summarise(tallies: dict[str, dict[str, Tally]], whole: dict[str, Tally], share: dict[str, float],
@@ -313,5 +339,6 @@ def summarise(tallies: dict[str, dict[str, Tally]], whole: dict[str, Tally], sha
             "steps_per_task": steps_per_task, "precision": "bf16" if bf16 else "fp32",
             "peer_setup": {"transformers": transformers.__version__, "optim": str(optim),
                            "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
-                           "sampling": "group_by_length", "collator": "DataCollatorWithPadding",
+                           "sampling": "group_by_length (its padding; timed on mtbert's batches' rows)",
+                           "collator": "DataCollatorWithPadding",
                            "pairs": "cross-encoded"}}

@@ -4,7 +4,8 @@
 
 1. training throughput (examples/s, non-padding tokens/s) of the `train` stage's step against its peer,
    what a user would run instead: three Hugging Face `Trainer` fine-tunings of the same backbone, the
-   run_glue way, on the same task mix (bench/peer.py), per task and over an epoch's mix;
+   run_glue way, on the same batches' examples (bench/peer.py), per task and over an epoch's mix, and
+   each side's padding over an epoch of its own batches;
 1b. the same of the default variant against the naive loop of the common GLUE example scripts: every
    batch padded to tokenize.max_length, fp32, no length bucketing; and with bf16 autocast on top of the
    defaults;
@@ -318,6 +319,8 @@ def report_peer(peer: dict) -> None:
         ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else "-"
         label = "overall" if name == "overall" else f"{name} ({peer['task_share'][name]:.0%} of the batches)"
         print(f"  {label:28s} {cells[0]} | {cells[1]} | mtbert/peer {ratio}")
+    padding = ", ".join(f"{task} {side['peer']:.1%} | {side['mtbert']:.1%}" for task, side in peer["padding"].items())
+    print(f"  the same examples each way; padding over an epoch of each side's own batches (peer | mtbert): {padding}")
     ratio = peer["overall"]["ratio"]
     print(f"1. train speed mtbert / Hugging Face Trainer, an epoch's task mix: {ratio:.2f}x "
           f"{verdict(ratio, TARGETS['peer_speedup'], True)}")

@@ -4,10 +4,11 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from bench.peer import Tally, batches_between, mixed_rate, num_labels
+from bench.peer import Tally, batches_between, mixed_rate, num_labels, padding_fraction
 from bench.suite import app, pad_to
 from tests.conftest import make_params, synthetic_raw_files, write_raw_files
 
@@ -43,6 +44,14 @@ def test_the_timed_batches_spread_over_one_epoch(batches_per_epoch, timed_steps)
         assert batches_per_epoch - taken[-1] <= 2 * (gap + 1)
 
 
+def test_padding_counts_each_batch_padded_to_its_longest_row_per_token_column():
+    lengths = np.array([3, 5, 4])
+    assert padding_fraction([np.array([0, 1]), np.array([2])], [lengths]) == round(1 - 12 / 14, 4)
+    assert padding_fraction([np.array([0, 1, 2])], [lengths]) == round(1 - 12 / 15, 4)
+    # a bi-encoder's sentences are padded apart: the second column's batch pads 2 + 2 to 4 + 4
+    assert padding_fraction([np.array([0, 1])], [lengths[:2], np.array([2, 4])]) == round(1 - 14 / 18, 4)
+
+
 def test_the_peer_has_run_glues_label_counts():
     from mtbert.data.kinds import Binary, Classification, Regression
 
@@ -61,7 +70,7 @@ def test_a_child_process_reports_its_own_peak_memory_not_its_parents():
 
 def test_suite_writes_every_figure(tmp_path, tiny_backbone, tiny_tokenized):
     raw = write_raw_files(tmp_path / "raw", synthetic_raw_files(16))
-    params = make_params(tmp_path, tiny_backbone, raw)
+    params = make_params(tmp_path, tiny_backbone, raw, heads={"sts": {"encoding": "bi", "combine": "cosine"}})
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(app, ["--train-steps", "2", "--block", "1", "--smart-steps", "2", "--peer-steps", "2",
                                       "--predict-examples", "8", "--memory-steps", "2",
@@ -85,6 +94,12 @@ def test_suite_writes_every_figure(tmp_path, tiny_backbone, tiny_tokenized):
             assert row[side]["examples_per_second"] > 0 and row[side]["tokens_per_second"] > 0
             assert row[side]["batches"] == 2 and row[side]["examples"] == 8
         assert row["ratio"] > 0
+    # the same examples each way: the same tokens cross-encoded; STS's bi-encoder adds a [CLS] per pair
+    tasks = peer["tasks"]
+    assert tasks["sst"]["mtbert"]["tokens"] == tasks["sst"]["peer"]["tokens"]
+    assert tasks["qqp"]["mtbert"]["tokens"] == tasks["qqp"]["peer"]["tokens"]
+    assert tasks["sts"]["mtbert"]["tokens"] == tasks["sts"]["peer"]["tokens"] + 8
+    assert all(0 <= fraction < 1 for sides in peer["padding"].values() for fraction in sides.values())
     assert peer["overall"]["ratio"] > 0 and peer["overall"]["peer"]["examples_per_second"] > 0
     assert abs(sum(peer["task_share"].values()) - 1) < 1e-3 and peer["precision"] == "fp32"
     # the matmul peak at the model's own shapes, and the training's fraction of it
