@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -221,6 +222,24 @@ def saved_heads(model_dir: Path) -> dict[str, list]:
 
     return {f"{folder.name}/{name}": tensor.tolist() for folder in sorted(Path(model_dir).glob("epoch-*"))
             for name, tensor in load_file(str(folder / "heads.safetensors")).items()}
+
+
+@contextlib.contextmanager
+def attention_runs() -> Iterator[set[tuple[bool, str]]]:
+    """(training, attention implementation) of every BERT self-attention module that runs in the block."""
+    import torch
+
+    seen: set[tuple[bool, str]] = set()
+
+    def hook(module, inputs, output):
+        if type(module).__name__ == "BertSelfAttention":
+            seen.add((module.training, module.config._attn_implementation))
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
 
 
 def kill_once_checkpointed(command: list[str], checkpoint: Path, timeout: float = 180) -> None:

@@ -20,7 +20,7 @@ from mtbert.training import distributed
 from mtbert.training.loop import Paths
 from stages.pretrain import pretrain
 from stages.train import fine_tune
-from tests.conftest import REPO_ROOT, TASKS, kill_once_checkpointed, make_params
+from tests.conftest import REPO_ROOT, TASKS, attention_runs, kill_once_checkpointed, make_params
 from tests.deployed import invoke
 from tests.runs import result_of, run_training, train_command
 from tests.test_distributed import norm, weights, weights_of_backbone
@@ -39,22 +39,6 @@ def linear_outputs():
     def hook(module, inputs, output):
         if isinstance(module, torch.nn.Linear):
             seen.add((output.dtype, output.device.type))
-
-    handle = torch.nn.modules.module.register_module_forward_hook(hook)
-    try:
-        yield seen
-    finally:
-        handle.remove()
-
-
-@contextlib.contextmanager
-def attention_in_training():
-    """The attention implementation of every self-attention module that ran in training mode in the block."""
-    seen: set[str] = set()
-
-    def hook(module, inputs, output):
-        if type(module).__name__ == "BertSelfAttention" and module.training:
-            seen.add(module.config._attn_implementation)
 
     handle = torch.nn.modules.module.register_module_forward_hook(hook)
     try:
@@ -209,6 +193,6 @@ def test_a_killed_cuda_run_resumes_to_the_uninterrupted_result(tmp_path, tiny_ba
 def test_a_gpu_trains_with_the_fused_attention_kernel(tmp_path, tiny_backbone, tiny_tokenized):
     # a CPU trains with eager attention (sdpa has no CPU kernel with dropout, tests/test_arch.py); CUDA's
     # fused kernels take attention dropout, so the stage's training passes on a GPU keep sdpa
-    with attention_in_training() as seen:
+    with attention_runs() as seen:
         train_in_process(tmp_path, tiny_backbone, tiny_tokenized)
-    assert seen == {"sdpa"}
+    assert {implementation for training, implementation in seen if training} == {"sdpa"}

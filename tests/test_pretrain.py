@@ -21,7 +21,7 @@ from mtbert.model.backbone import PROVENANCE_FILE, starting_point
 from mtbert.params import load_params
 from mtbert.training.loop import Paths
 from stages.pretrain import app, pretrain
-from tests.conftest import REPO_ROOT, kill_once_checkpointed
+from tests.conftest import REPO_ROOT, attention_runs, kill_once_checkpointed
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +192,15 @@ def test_whole_word_run_trains(tmp_path, tiny_backbone, tiny_tokenized):
     params = load_params(pretrain_params(tmp_path, tiny_backbone, whole_word=True, steps=8, eval_every=8))
     summary = pretrain(params, paths_in(tmp_path, tiny_tokenized))
     assert summary["after"]["loss"] < summary["before"]["loss"]
+
+
+def test_a_cpu_pretrains_with_eager_attention_and_evaluates_with_the_fused_kernel(tmp_path, tiny_backbone,
+                                                                                 tiny_tokenized):
+    # as in fine-tuning: sdpa has no CPU kernel with attention dropout (mtbert/model/architectures.py)
+    params = load_params(pretrain_params(tmp_path, tiny_backbone, steps=8, eval_every=8))
+    with attention_runs() as seen:
+        pretrain(params, paths_in(tmp_path, tiny_tokenized))
+    assert seen == {(True, "eager"), (False, "sdpa")}
 
 
 def test_disabled_stage_passes_the_backbone_through_unchanged(tmp_path, tiny_backbone, tiny_tokenized):

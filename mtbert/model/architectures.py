@@ -51,6 +51,14 @@ def attention_for(encoder: nn.Module) -> str:
     return "eager" if encoder.training and on_cpu and dropout else "sdpa"
 
 
+def match_attention_to_mode(encoder: nn.Module) -> None:
+    """Switch the encoder to the attention implementation `attention_for` its mode and device, if it runs
+    another (a switch costs about half a millisecond, so it is skipped when nothing changes)."""
+    implementation = attention_for(encoder)
+    if encoder.config._attn_implementation != implementation:
+        encoder.set_attn_implementation(implementation)
+
+
 @contextlib.contextmanager
 def attention_implementation(model: nn.Module, implementation: str) -> Iterator[None]:
     """Every transformers encoder in `model` with this attention implementation inside; their own after."""
@@ -110,9 +118,7 @@ class TaskEncoders(nn.Module):
         if self.static is not None:
             self.static.eval()  # frozen: no dropout either
         for encoder in self.distinct_encoders():
-            implementation = attention_for(encoder)
-            if encoder.config._attn_implementation != implementation:
-                encoder.set_attn_implementation(implementation)
+            match_attention_to_mode(encoder)
         return self
 
     def distinct_encoders(self) -> list[nn.Module]:
