@@ -188,6 +188,21 @@ def test_dropout_probe_times_every_arm(tmp_path, tiny_backbone, tiny_tokenized):
     assert figures["mask_speedup"] > 0 and isinstance(figures["mkl_draws_masks"], bool)
 
 
+def test_pretrain_attention_probe_times_both_implementations(tmp_path, tiny_backbone, tiny_tokenized):
+    from bench.pretrain_attention import app as probe_app
+    from tests.test_pretrain import pretrain_params
+
+    out = tmp_path / "pretrain-attention.json"
+    result = CliRunner().invoke(probe_app, ["--steps", "2", "--block", "1", "--tokenized-dir", str(tiny_tokenized),
+                                            "--params-file", str(pretrain_params(tmp_path, tiny_backbone)),
+                                            "--json-out", str(out)])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    assert figures["timed_steps"] == 2 and set(figures["mean_step_seconds"]) == {"eager", "sdpa"}
+    assert all(seconds > 0 for seconds in figures["mean_step_seconds"].values())
+    assert figures["eager_speedup_over_sdpa"] > 0
+
+
 def test_deploy_bench_writes_every_figure(tmp_path, deployed):
     """Figure 8 on the small exported variant: every engine, the cold starts and the bounded load test."""
     from bench.deploy import app as deploy_app

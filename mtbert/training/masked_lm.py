@@ -32,7 +32,6 @@ from mtbert.data.batches import TokenColumn, eval_batches, load_split, tokenized
 from mtbert.data.masking import IGNORE_INDEX, MaskingVocab, mask_tokens
 from mtbert.data.sampling import TaskStream
 from mtbert.data.tasks import tasks_from_params
-from mtbert.model.architectures import match_attention_to_mode
 from mtbert.model.backbone import PROVENANCE_FILE, load_encoder, load_masked_lm, load_tokenizer
 from mtbert.params import Params, PretrainParams, as_dict
 from mtbert.runtime import open_live, use_bf16
@@ -161,8 +160,9 @@ def prepare(params: Params, paths: Paths, ranks: Ranks, device: torch.device, fi
     tokenizer = load_tokenizer(params.model.name)
     vocab = MaskingVocab.from_tokenizer(tokenizer)
     model, head_from_checkpoint = load_masked_lm(params.model.name)
-    model.to(device)
-    set_mode(model, training=True)
+    # sdpa in training too, even on a CPU: the eager attention fine-tuning switches to there was slower
+    # for masked-LM steps (docs/experiments/2026-11-26-peer-same-examples-avx2.md)
+    model.to(device).train()
     sync_parameters(model, ranks)
     if not head_from_checkpoint:
         log.info("%s has no masked-LM head: training a fresh one, its decoder tied to the word embeddings",
@@ -318,21 +318,14 @@ def evaluate(run: MaskedLM, progress: Progress, live) -> None:
         log_record(live, record)
 
 
-def set_mode(model: torch.nn.Module, training: bool) -> None:
-    """Training or evaluation mode, with the attention implementation for it: a CPU trains with the
-    encoder's own attention, as fine-tuning does (mtbert/model/architectures.py `attention_for`)."""
-    model.train(training)
-    match_attention_to_mode(model)
-
-
 def held_out_record(run: MaskedLM, progress: Progress) -> dict:
-    set_mode(run.model, training=False)
+    run.model.eval()
     total, count = 0.0, 0
     with torch.inference_mode():
         for corrupted, mask, labels in run.held_out:
             loss, chosen = masked_loss(run, corrupted, mask, labels)
             total, count = total + loss.item() * chosen, count + chosen
-    set_mode(run.model, training=True)
+    run.model.train()
     loss = total / max(count, 1)
     totals = progress.totals
     record = {"step": progress.step, "loss": loss, "perplexity": math.exp(loss),
