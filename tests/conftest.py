@@ -225,21 +225,28 @@ def saved_heads(model_dir: Path) -> dict[str, list]:
 
 
 @contextlib.contextmanager
-def attention_runs() -> Iterator[set[tuple[bool, str]]]:
-    """(training, attention implementation) of every BERT self-attention module that runs in the block."""
+def recorded_forwards(record: Callable) -> Iterator[set]:
+    """What `record(module, output)` returns for every module that runs forward in the block (None: nothing)."""
     import torch
 
-    seen: set[tuple[bool, str]] = set()
+    seen: set = set()
 
     def hook(module, inputs, output):
-        if type(module).__name__ == "BertSelfAttention":
-            seen.add((module.training, module.config._attn_implementation))
+        item = record(module, output)
+        if item is not None:
+            seen.add(item)
 
     handle = torch.nn.modules.module.register_module_forward_hook(hook)
     try:
         yield seen
     finally:
         handle.remove()
+
+
+def attention_runs():
+    """(training, attention implementation) of every BERT self-attention module that runs in the block."""
+    return recorded_forwards(lambda module, output: (module.training, module.config._attn_implementation)
+                             if type(module).__name__ == "BertSelfAttention" else None)
 
 
 def kill_once_checkpointed(command: list[str], checkpoint: Path, timeout: float = 180) -> None:

@@ -5,7 +5,6 @@ without a GPU (CI has none): run `pytest tests/test_cuda.py -s` where one is
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from mtbert.training import distributed
 from mtbert.training.loop import Paths
 from stages.pretrain import pretrain
 from stages.train import fine_tune
-from tests.conftest import REPO_ROOT, TASKS, attention_runs, kill_once_checkpointed, make_params
+from tests.conftest import REPO_ROOT, TASKS, attention_runs, kill_once_checkpointed, make_params, recorded_forwards
 from tests.deployed import invoke
 from tests.runs import result_of, run_training, train_command
 from tests.test_distributed import norm, weights, weights_of_backbone
@@ -31,20 +30,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 FP32, BF16 = {(torch.float32, "cuda")}, {(torch.bfloat16, "cuda")}
 
 
-@contextlib.contextmanager
 def linear_outputs():
     """The (dtype, device) of every nn.Linear output computed in the block: bf16 only where autocast ran."""
-    seen: set[tuple[torch.dtype, str]] = set()
-
-    def hook(module, inputs, output):
-        if isinstance(module, torch.nn.Linear):
-            seen.add((output.dtype, output.device.type))
-
-    handle = torch.nn.modules.module.register_module_forward_hook(hook)
-    try:
-        yield seen
-    finally:
-        handle.remove()
+    return recorded_forwards(lambda module, output: (output.dtype, output.device.type)
+                             if isinstance(module, torch.nn.Linear) else None)
 
 
 def stage_paths(out: Path, tokenized: Path) -> Paths:
