@@ -130,16 +130,18 @@ def encoder_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, tiny_backbone, tiny_tokenized):
+    """A whole short run: its folder, its summary, and what attention its encoder ran (attention_runs)."""
     root = tmp_path_factory.mktemp("pretrain")
     params = load_params(pretrain_params(root, tiny_backbone))
-    summary = pretrain(params, paths_in(root, tiny_tokenized))
-    return root, summary
+    with attention_runs() as attention:
+        summary = pretrain(params, paths_in(root, tiny_tokenized))
+    return root, summary, attention
 
 
 def test_short_run_lowers_held_out_perplexity_and_writes_a_loadable_encoder(finished_run, tiny_backbone):
     from transformers import AutoModel
 
-    root, summary = finished_run
+    root, summary, _ = finished_run
     assert summary["after"]["perplexity"] < 0.5 * summary["before"]["perplexity"]
     assert [r["step"] for r in summary["history"]] == [0, 8, 16, 24]
     assert summary["held_out"]["masked_tokens"] > 0 and not summary["head_from_checkpoint"]
@@ -155,7 +157,7 @@ def test_short_run_lowers_held_out_perplexity_and_writes_a_loadable_encoder(fini
 
 
 def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, finished_run, tiny_backbone, tiny_tokenized):
-    root, summary = finished_run
+    root, summary, _ = finished_run
     params = load_params(pretrain_params(tmp_path, tiny_backbone))
     assert pretrain(params, paths_in(tmp_path, tiny_tokenized), stop_after=8) is None
     assert (tmp_path / "ck" / "last.pt").is_file() and not (tmp_path / "pretrained").exists()
@@ -175,7 +177,7 @@ def pretrain_command(params: Path, root: Path, tokenized: Path) -> list[str]:
 
 def test_pretrain_killed_with_kill_9_resumes_to_the_uninterrupted_result(tmp_path, finished_run, tiny_backbone,
                                                                          tiny_tokenized):
-    root, summary = finished_run
+    root, summary, _ = finished_run
     command = pretrain_command(pretrain_params(tmp_path, tiny_backbone), tmp_path, tiny_tokenized)
     kill_once_checkpointed(command, tmp_path / "ck" / "last.pt")  # at step 8 of 24
     assert not (tmp_path / "pretrained").exists()
@@ -194,13 +196,11 @@ def test_whole_word_run_trains(tmp_path, tiny_backbone, tiny_tokenized):
     assert summary["after"]["loss"] < summary["before"]["loss"]
 
 
-def test_pretraining_keeps_the_fused_attention_kernel_in_both_modes(tmp_path, tiny_backbone, tiny_tokenized):
+def test_pretraining_keeps_the_fused_attention_kernel_in_both_modes(finished_run):
     # unlike fine-tuning on a CPU (mtbert/model/architectures.py `attention_for`): eager attention measured
     # slower for masked-LM steps, so pretraining never switches
-    params = load_params(pretrain_params(tmp_path, tiny_backbone, steps=8, eval_every=8))
-    with attention_runs() as seen:
-        pretrain(params, paths_in(tmp_path, tiny_tokenized))
-    assert seen == {(True, "sdpa"), (False, "sdpa")}
+    _, _, attention = finished_run
+    assert attention == {(True, "sdpa"), (False, "sdpa")}
 
 
 def test_disabled_stage_passes_the_backbone_through_unchanged(tmp_path, tiny_backbone, tiny_tokenized):
