@@ -333,6 +333,19 @@ class EnsembleParams:
 
 
 @section
+class TransferParams:
+    """The transfer set: inputs beyond the training rows that the teacher labels for the students (stage
+    `transfer`, mtbert/data/transfer.py). Only training-split text goes in; docs/ensembling.md."""
+    rows: dict[Str, Int]  # task -> transfer rows (0 = none); a task left out gets none
+    pairs_from: Literal["own", "all"]  # pair tasks: new pairs of the task's own training sentences, or of every task's
+    neighbours: Float = Field(ge=0.0, le=1.0)  # pair tasks: share of new pairs joining a sentence to a near neighbour
+    top_k: Int = Field(ge=1)  # neighbours: the partner is one of the sentence's top_k nearest, drawn at random
+    swapped: Float = Field(ge=0.0, le=1.0)  # pair tasks: share of rows that are training pairs in swapped order
+    weight: Float = Field(ge=0.0)  # a transfer row's loss: weight x the teacher's (it has no gold label)
+    seed: Int
+
+
+@section
 class DistillParams:
     """A student trained on the ensemble's predictions of the training rows (stages `distill@<student>`);
     docs/ensembling.md."""
@@ -341,6 +354,7 @@ class DistillParams:
     students: dict[Str, Int]  # student name -> its train.seed; the students form one seed group in `stats`
     alpha: Float = Field(ge=0.0, le=1.0)  # the teacher's weight in each row's loss; 1 - alpha: the gold label's
     temperature: Float = Field(gt=0.0)  # classification and binary: teacher and student probabilities at T
+    transfer: TransferParams
 
 
 @section
@@ -400,6 +414,14 @@ class Params:
         if self.distill.enabled and self.distill.variant not in self.models:
             raise ParamsError(f"distill.variant: expected a key of models ({', '.join(self.models)}), "
                               f"got {self.distill.variant!r}")
+        unknown = [name for name in self.distill.transfer.rows if name not in self.tasks]
+        if unknown:
+            raise ParamsError(f"distill.transfer.rows.{unknown[0]}: unknown task; tasks declares "
+                              f"{', '.join(self.tasks)}")
+        negative = [name for name, rows in self.distill.transfer.rows.items() if rows < 0]
+        if negative:
+            raise ParamsError(f"distill.transfer.rows.{negative[0]}: expected a count >= 0, got "
+                              f"{self.distill.transfer.rows[negative[0]]}")
         if not self.distill.students:
             raise ParamsError("distill.students: expected at least one student, e.g. {distilled: 0}")
         for name in self.distill.students:

@@ -3,8 +3,9 @@
 The student has the configuration of variant `distill.variant` with its own seed (`distill.students`), and
 runs the fine-tuning loop of `train` (mtbert/training/finetune.py) with each training row's loss blended
 from the ensemble's prediction of it and its gold label (mtbert/training/distillation.py). The teacher is
-the ensemble of metrics/ensemble.json: its members' dumps of the training split, which `predict` writes
-with distill.enabled (mtbert/evaluation/teacher.py). Writes, like a variant's train and predict together:
+the ensemble of metrics/ensemble.json: its members' dumps of the training split and of the transfer set
+(stage `transfer`), which `predict` writes with distill.enabled (mtbert/evaluation/teacher.py); the transfer
+rows join the training rows with the teacher's labels only. Writes, like a variant's train and predict together:
 models/<student>/ (the model folder with its card, for `mtbert predict` and `Predictor.load`),
 data/distilled/<student>/ (dev and test dumps and CS224N files; not under data/predictions/, which the
 ensemble reads), metrics/<student>.json (dev metrics) and metrics/train/<student>.json (the training
@@ -27,7 +28,7 @@ import yaml
 from mtbert import io
 from mtbert.data.tasks import tasks_from_params
 from mtbert.evaluation.metrics import headline_summary
-from mtbert.evaluation.teacher import ensemble_members, ensemble_teacher
+from mtbert.evaluation.teacher import ensemble_members, ensemble_teacher, transfer_teacher
 from mtbert.model.card import CARD_FILE, student_card
 from mtbert.model.saved import CONFIG_FILE, load_model, write_checksums
 from mtbert.params import DistillParams, Params, ParamsError, deep_merge, load_params, merged_variant, parse_section
@@ -98,6 +99,7 @@ def main(student: str = typer.Option(..., "--student", help="a key of distill.st
          rejects_file: Path = typer.Option(Path("data/rejects.tsv")),
          predictions_dir: Path = typer.Option(Path("data/predictions"), help="the members' training-split dumps"),
          ensemble_file: Path = typer.Option(Path("metrics/ensemble.json"), help="each task's members"),
+         transfer_dir: Path = typer.Option(Path("data/transfer"), help="the transfer set (stage `transfer`)"),
          pretrained_dir: Path = typer.Option(Path("models/pretrained"), help="the encoder to start from"),
          models_dir: Path = typer.Option(Path("models")),
          dumps_dir: Path = typer.Option(Path("data/distilled")),
@@ -120,7 +122,9 @@ def main(student: str = typer.Option(..., "--student", help="a key of distill.st
         relaunch_with_torchrun(own.train.nproc, "stages.distill", sys.argv[1:])
     tasks = tasks_from_params(own.tasks)
     distillation = Distillation(ensemble_teacher(ensemble_file, predictions_dir, tasks), distill.alpha,
-                                distill.temperature)
+                                distill.temperature,
+                                transfer_teacher(ensemble_file, predictions_dir, transfer_dir, tasks),
+                                distill.transfer.weight)
     paths = Paths(tokenized=tokenized_dir, model_out=outputs.model, metrics_out=outputs.summary,
                   live_dir=checkpoints_dir / student / "live", checkpoints=checkpoints_dir / student,
                   pretrained=pretrained_dir)  # no snapshot dumps: a student is no ensemble candidate
@@ -130,6 +134,8 @@ def main(student: str = typer.Option(..., "--student", help="a key of distill.st
     members = ensemble_members(ensemble_file, tasks)
     record = {"variant": distill.variant, "seed": own.train.seed, "alpha": distill.alpha,
               "temperature": distill.temperature,
+              "transfer": {name: len(rows) for name, (rows, _) in distillation.transfer.items()},
+              "transfer_weight": distill.transfer.weight,
               "members": {name: {m: order.count(m) for m in dict.fromkeys(order)} for name, order in members.items()}}
     describe_student(outputs.model, summary, own, record)
     model, _ = load_model(outputs.model)

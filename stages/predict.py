@@ -4,7 +4,7 @@ Writes data/predictions/<variant>/<task>-<split>.parquet (unrounded predictions)
 beside them and metrics/<variant>.json. The tasks are the ones the model was trained on (saved in its
 folder); each task runs on the snapshot of the epoch it kept (see mtbert/model/saved.py). With
 distill.enabled it dumps the training split too: the ensemble's predictions of it teach the students
-(stage `distill`, mtbert/evaluation/teacher.py).
+(stage `distill`, mtbert/evaluation/teacher.py), and the transfer set (stage `transfer`) as split `transfer`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main(variant: str = typer.Option(..., "--variant", help="a key of `models:` 
          tokenized_dir: Path = typer.Option(Path("data/tokenized")),
          rejects_file: Path = typer.Option(Path("data/rejects.tsv")),
          models_dir: Path = typer.Option(Path("models")),
+         transfer_dir: Path = typer.Option(Path("data/transfer"), help="the transfer set (with distill.enabled)"),
          predictions_dir: Path = typer.Option(Path("data/predictions")),
          metrics_dir: Path = typer.Option(Path("metrics"))) -> None:
     setup_logging()
@@ -44,23 +45,26 @@ def main(variant: str = typer.Option(..., "--variant", help="a key of `models:` 
     model, _ = load_model(models_dir / variant)
     model.to(device)
     out_dir = predictions_dir / variant
-    splits = ("dev", "test", "train") if all_params.distill.enabled else ("dev", "test")
+    splits = ("dev", "test", "train", "transfer") if all_params.distill.enabled else ("dev", "test")
     dev_metrics = write_predictions(model, splits, tokenized_dir, rejects_file, out_dir, params.batch_size, device,
-                                    bf16)
+                                    bf16, transfer_dir)
     io.write_metrics(metrics_dir / f"{variant}.json", dev_metrics)
     log.info("%s dev: overall %.4f  %s", variant, dev_metrics["overall"], headline_summary(dev_metrics, model.tasks))
 
 
 def write_predictions(model, splits: tuple[str, ...], tokenized_dir: Path, rejects_file: Path, out_dir: Path,
-                      batch_size: int, device, bf16: bool) -> dict:
-    """Every task's dumps of the splits into out_dir, with the CS224N files of dev and test; the dev metrics."""
+                      batch_size: int, device, bf16: bool, transfer_dir: Path | None = None) -> dict:
+    """Every task's dumps of the splits into out_dir, with the CS224N files of dev and test; the dev metrics.
+    Split `transfer` is read from transfer_dir, and a task without transfer rows gets no dump of it."""
     dev_metrics = {}
     for task in model.tasks.values():
         for split in splits:
-            data = load_split(tokenized_dir, task, split)
+            data = load_split(transfer_dir if split == "transfer" else tokenized_dir, task, split)
+            if not len(data):
+                continue
             values = predict_split(model, data, batch_size, device, bf16)
             write_dump(out_dir, task, split, data.ids, values)
-            if split != "train":  # the grader's files are of dev and test
+            if split in ("dev", "test"):  # the grader's files
                 write_submission(out_dir, task, split, data.ids, values, rejected_ids(rejects_file, task.name, split))
             if split == "dev":
                 dev_metrics[task.name] = task_metrics(task, values, data.labels)

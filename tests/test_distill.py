@@ -2,6 +2,7 @@
 training-split dumps, and the `distill` stage end to end (with `predict`, `ensemble` and `stats` around it)
 on the 2-layer model."""
 
+import importlib
 import json
 import shutil
 import types
@@ -161,12 +162,14 @@ def stage_arguments(root: Path, params_file: Path, tokenized: Path) -> dict[str,
     return {
         "train": [*common, "--models-dir", root / "models", "--metrics-dir", root / "metrics" / "train",
                   "--checkpoints-dir", root / "ck", "--snapshots-dir", root / "snapshots"],
-        "predict": [*common, "--rejects-file", rejects, "--models-dir", root / "models",
-                    "--predictions-dir", root / "predictions", "--metrics-dir", root / "metrics"],
+        "transfer": [*common, "--out-dir", root / "transfer", "--metrics-file", root / "metrics" / "transfer.json"],
+        "predict": [*common, "--rejects-file", rejects, "--models-dir", root / "models", "--transfer-dir",
+                    root / "transfer", "--predictions-dir", root / "predictions", "--metrics-dir", root / "metrics"],
         "ensemble": [*common, "--rejects-file", rejects, "--predictions-dir", root / "predictions",
                      "--snapshots-dir", root / "snapshots", "--out-dir", root / "ensemble",
                      "--plots-dir", root / "plots", "--metrics-file", root / "metrics" / "ensemble.json"],
         "distill": [*common, "--rejects-file", rejects, "--predictions-dir", root / "predictions",
+                    "--transfer-dir", root / "transfer",
                     "--ensemble-file", root / "metrics" / "ensemble.json", "--models-dir", root / "models",
                     "--dumps-dir", root / "distilled", "--metrics-dir", root / "metrics",
                     "--train-metrics-dir", root / "metrics" / "train", "--checkpoints-dir", root / "ck"],
@@ -176,16 +179,22 @@ def stage_arguments(root: Path, params_file: Path, tokenized: Path) -> dict[str,
     }
 
 
+TRANSFER_ROWS = {"sst": 6, "qqp": 0, "sts": 8}
+
+
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, tiny_backbone, tiny_tokenized) -> Path:
-    """Two variants (two seeds), their dumps with the training split, their ensemble, two students, stats."""
+    """A transfer set, two variants (two seeds), their dumps with the training split and the transfer set, their
+    ensemble, two students, stats."""
     root = tmp_path_factory.mktemp("distill")
     params_file = make_params(root, tiny_backbone, Path("unused"), train={"epochs": 1},
                               models={"base": {}, "seed1": {"train": {"seed": 1}}},
                               extra={"predict": {"batch_size": 8, "bf16": False},
                                      "distill": {"enabled": True, "students": {"distilled": 0, "distilled-1": 1},
-                                                 "alpha": 0.7, "temperature": 2.0}})
+                                                 "alpha": 0.7, "temperature": 2.0,
+                                                 "transfer": {"rows": TRANSFER_ROWS, "weight": 0.5}}})
     arguments = stage_arguments(root, params_file, tiny_tokenized)
+    invoke("stages.transfer", "--pretrained-dir", tiny_backbone, *arguments["transfer"])
     for variant in ("base", "seed1"):
         invoke("stages.train", "--variant", variant, "--pretrained-dir", tiny_backbone, *arguments["train"])
         invoke("stages.predict", "--variant", variant, *arguments["predict"])
@@ -204,6 +213,57 @@ def test_predict_dumps_the_training_split_for_the_teacher(pipeline, tiny_tokeniz
         assert not (pipeline / "predictions" / variant / "para-train-output.csv").exists()
 
 
+def test_predict_dumps_the_transfer_set_and_the_teacher_is_the_members_average_of_it(pipeline, tiny_tokenized):
+    from mtbert.evaluation.evaluate import predict_split
+    from mtbert.evaluation.teacher import transfer_teacher
+    from mtbert.model.saved import load_model
+
+    members = {name: load_model(pipeline / "models" / name)[0] for name in ("base", "seed1")}
+    taught = transfer_teacher(pipeline / "metrics" / "ensemble.json", pipeline / "predictions", pipeline / "transfer",
+                              TASKS)
+    assert {name: len(rows) for name, (rows, _) in taught.items()} == {"sst": 6, "sts": 8}  # qqp: none
+    assert not (pipeline / "predictions" / "base" / "qqp-transfer.parquet").exists()
+    ensemble = json.loads((pipeline / "metrics" / "ensemble.json").read_text())
+    for name, (rows, values) in taught.items():
+        order = ensemble[name]["order"]
+        predicted = {member: predict_split(members[member], rows, 8, torch.device("cpu")) for member in set(order)}
+        assert np.allclose(values, np.mean([predicted[member] for member in order], axis=0), atol=1e-6)
+
+
+class Crash(Exception):
+    pass
+
+
+def test_a_resumed_student_equals_an_uninterrupted_one(pipeline, tiny_backbone, tiny_tokenized, monkeypatch):
+    from mtbert.training import finetune
+    from tests.conftest import saved_heads
+
+    root = pipeline / "resumed"
+    shutil.copytree(pipeline / "predictions", root / "predictions")
+    shutil.copytree(pipeline / "transfer", root / "transfer")
+    (root / "metrics").mkdir()
+    shutil.copy(pipeline / "metrics" / "ensemble.json", root / "metrics" / "ensemble.json")
+    arguments = stage_arguments(root, pipeline / "params.yaml", tiny_tokenized)
+    real_update = finetune.update
+
+    def update_then_crash(run, progress):
+        real_update(run, progress)
+        if progress.updates == 5:  # past the checkpoint at update 3
+            raise Crash  # not KeyboardInterrupt: click turns that into an exit
+
+    with monkeypatch.context() as patch:
+        patch.setattr(finetune, "update", update_then_crash)
+        with pytest.raises(Crash):
+            CliRunner().invoke(importlib.import_module("stages.distill").app,
+                               [str(a) for a in ("--student", "distilled", "--pretrained-dir", tiny_backbone,
+                                                 *arguments["distill"])], catch_exceptions=False)
+    assert (root / "ck" / "distilled").exists()
+    invoke("stages.distill", "--student", "distilled", "--pretrained-dir", tiny_backbone, *arguments["distill"])
+    assert saved_heads(root / "models" / "distilled") == saved_heads(pipeline / "models" / "distilled")
+    metrics = [json.loads((where / "metrics" / "distilled.json").read_text()) for where in (root, pipeline)]
+    assert metrics[0] == metrics[1]
+
+
 def test_the_student_is_a_model_folder_with_its_card_and_dumps(pipeline, tiny_tokenized):
     from mtbert.evaluation.evaluate import predict_split
     from mtbert.evaluation.predictions import read_dump
@@ -214,9 +274,11 @@ def test_the_student_is_a_model_folder_with_its_card_and_dumps(pipeline, tiny_to
     assert config["variant"] == "distilled" and config["params"]["train"]["seed"] == 0
     ensemble = json.loads((pipeline / "metrics" / "ensemble.json").read_text())
     assert config["distill"] == {"variant": "base", "seed": 0, "alpha": 0.7, "temperature": 2.0,
+                                 "transfer": {"sst": 6, "sts": 8}, "transfer_weight": 0.5,
                                  "members": {task: ensemble[task]["members"] for task in TASKS}}
     card = (folder / "README.md").read_text()
     assert "# mtbert student `distilled`" in card and "## Distillation" in card and "`base` ×1" in card
+    assert "transfer set" in card and "sts 8 rows" in card
     metrics = json.loads((pipeline / "metrics" / "distilled.json").read_text())
     for task in TASKS.values():  # the dumps are the folder's predictions, as predict's of a variant
         split = load_split(tiny_tokenized, task, "dev")

@@ -78,7 +78,9 @@ def repo(tmp_path_factory, tiny_backbone) -> Path:
     shutil.copy(REPO_ROOT / "dvc.yaml", repo / "dvc.yaml")
     # predict as train evaluates (batch 8, fp32), so the model cards' dev metrics are predict's exactly
     make_params(repo, tiny_backbone, Path("data/raw"), train={"epochs": 1},
-                extra={**NEW_TASKS, "predict": {"batch_size": 8, "bf16": False}},
+                extra={**NEW_TASKS, "predict": {"batch_size": 8, "bf16": False},
+                       "distill": {"enabled": True, "variant": "plain", "students": {"distilled": 0},
+                                   "transfer": {"rows": {"sst": 6, "qqp": 0, "sts": 6, "nli": 4}}}},
                 models={"plain": {}, "meanpool": {"heads": {"sst": {"pooling": "mean"}}, "train": {"seed": 1}},
                         "plain-seed1": {"train": {"seed": 1}}})
     write_raw_files(repo / "data" / "raw", {**synthetic_raw_files(16), **fourth_task_files(16), **fifth_task_files(16)})
@@ -119,6 +121,18 @@ def test_repro_builds_every_stage_output(repo):
         assert sum(ensemble[task]["members"].values()) >= 1
         assert set(ensemble[task]["members"]) <= {"plain", "meanpool", "plain-seed1"}
         assert sum(ensemble[task]["honest"]["half_sizes"]) == 16
+
+
+def test_the_student_learns_the_transfer_set_the_members_labelled(repo):
+    transfer = json.loads((repo / "metrics" / "transfer.json").read_text())
+    assert {task: transfer[task]["rows"] for task in TASK_NAMES} == {"sst": 6, "qqp": 0, "sts": 6, "cfimdb": 0,
+                                                                     "nli": 4}
+    for variant in ("plain", "meanpool", "plain-seed1"):
+        assert pq.read_table(repo / "data" / "predictions" / variant / "nli-transfer.parquet").num_rows == 4
+    student = json.loads((repo / "metrics" / "distilled.json").read_text())
+    assert student["distill"]["transfer"] == {"sst": 6, "sts": 6, "nli": 4}
+    assert set(student) == {*TASK_NAMES, "overall", "distill"}
+    assert (repo / "models" / "distilled" / "mtbert.json").is_file()
 
 
 def card_metadata(path: Path) -> dict:
@@ -175,7 +189,7 @@ def test_params_that_do_not_change_results_rerun_nothing(repo):
 def test_seed_statistics_group_the_seeds_and_compare_the_groups(repo):
     stats = json.loads((repo / "metrics" / "stats.json").read_text())
     assert {group: entry["variants"] for group, entry in stats["groups"].items()} == {
-        "plain": ["plain", "plain-seed1"], "meanpool": ["meanpool"]}
+        "plain": ["plain", "plain-seed1"], "meanpool": ["meanpool"], "distilled": ["distilled"]}
     singles = [json.loads((repo / "metrics" / f"{v}.json").read_text()) for v in ("plain", "plain-seed1")]
     accuracy = stats["groups"]["plain"]["dev"]["sst"]["accuracy"]
     assert accuracy["mean"] == pytest.approx(sum(m["sst"]["accuracy"] for m in singles) / 2, abs=1e-4)
@@ -198,7 +212,7 @@ def test_plots_show_one_chart_of_curves_and_the_ensembles_plots_without_warnings
     assert spec["title"] == "Every variant per epoch (dev metrics and training loss)"
     assert spec["encoding" if "encoding" in spec else "spec"]["encoding"]["color"]["field"] == "variant"
     values = spec["data"]["values"]
-    assert {row["variant"] for row in values} == {"plain", "meanpool", "plain-seed1"}
+    assert {row["variant"] for row in values} == {"plain", "meanpool", "plain-seed1", "distilled"}
     assert {int(row["epoch"]) for row in values} == {1}  # epochs count from 1
 
 

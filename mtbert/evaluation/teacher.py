@@ -5,7 +5,7 @@ them (metrics/ensemble.json's `order`; a member picked twice weighs twice), so i
 prediction of those rows. The members' predictions are their `predict` dumps of the training split, which
 `predict` writes when distill.enabled is true: the student's stage then needs no model but its own, and
 DVC sees every input it reads. The ensemble was chosen on dev, but the student only ever trains on the
-training rows and their labels.
+training rows and their labels, and on the transfer set (stage `transfer`), which holds training text only.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mtbert.data.batches import TaskSplit, load_split
 from mtbert.data.tasks import Task
 from mtbert.evaluation.ensemble import average
 from mtbert.evaluation.predictions import dump_path, read_aligned, read_dump
@@ -49,6 +50,23 @@ def training_predictions(predictions_dir: Path, task: Task, order: list[str]) ->
     ids, _ = read_dump(predictions_dir / order[0], task, "train")
     values = {member: read_aligned(predictions_dir / member, task, "train", ids) for member in dict.fromkeys(order)}
     return ids, average(values, order)
+
+
+def transfer_teacher(ensemble_file: Path, predictions_dir: Path, transfer_dir: Path,
+                     tasks: dict[str, Task]) -> dict[str, tuple[TaskSplit, np.ndarray]]:
+    """Per task with transfer rows, the rows (stage `transfer`) and the ensemble's predictions of them: the
+    average of its members' `transfer` dumps, in its order."""
+    members = ensemble_members(ensemble_file, tasks)
+    labelled = {}
+    for name, task in tasks.items():
+        rows = load_split(transfer_dir, task, "transfer")
+        if not len(rows):
+            continue
+        order = members[name]
+        values = {member: read_aligned(predictions_dir / member, task, "transfer", rows.ids)
+                  for member in dict.fromkeys(order)}
+        labelled[name] = (rows, average(values, order))
+    return labelled
 
 
 def ensemble_teacher(ensemble_file: Path, predictions_dir: Path,

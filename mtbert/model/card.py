@@ -116,6 +116,11 @@ def student_card(summary: dict, params: dict, tasks: dict[str, Task], path: str,
              f"ensemble's prediction of it (weight α = {distill['alpha']}; classes at temperature "
              f"T = {distill['temperature']}) and its gold label (1 − α). The teacher's members per task:\n\n"
              f"{members}\n\n")
+    transfer = {name: rows for name, rows in distill.get("transfer", {}).items() if rows}
+    if transfer:
+        notes += ("It also learned the ensemble's predictions of a transfer set of new inputs made of training-split "
+                  "text only (no gold label; loss weight " f"{distill['transfer_weight']}): " +
+                  ", ".join(f"{name} {rows:,} rows" for name, rows in transfer.items()) + ".\n\n")
     return variant_card(summary, params, tasks, path, title=f"mtbert student `{summary['variant']}`", notes=notes)
 
 

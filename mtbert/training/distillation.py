@@ -8,6 +8,10 @@ and the objective's task loss is `Distillation.loss`, per batch
 
     alpha * teacher_loss(outputs, teacher, T) + (1 - alpha) * loss(outputs, gold labels)
 
+and, with a transfer set (mtbert/data/transfer.py), its rows join the training split with the teacher's
+prediction and no gold label: their loss is transfer_weight * teacher_loss, and a batch's loss is the mean over
+its rows of either kind.
+
 with the teacher's loss by task kind (mtbert/data/kinds.py): the cross-entropy against the teacher's
 class probabilities (or P(label 1)) at temperature T, times T^2, or the squared error against its score.
 With T = 1 the classification loss is exactly the cross-entropy against the blended targets
@@ -24,19 +28,31 @@ import json
 import numpy as np
 import torch
 
-from mtbert.data.batches import TaskSplit
+from mtbert.data.batches import TaskSplit, TokenColumn
 from mtbert.runtime import UserError
 
 
 @dataclasses.dataclass
 class TaughtSplit(TaskSplit):
-    """A training split whose batches carry, beside the gold labels, the teacher's prediction of each row."""
+    """A training split whose batches carry, beside the gold labels, the teacher's prediction of each row, and
+    whether the row has a gold label (a training row) or not (a transfer row)."""
     teacher: np.ndarray = dataclasses.field(kw_only=True)  # (N, C) class probabilities, else (N,)
+    gold: np.ndarray = dataclasses.field(kw_only=True)  # (N,) bool
 
     def batch(self, rows: np.ndarray, encoding: str) -> dict[str, torch.Tensor]:
         batch = super().batch(rows, encoding)
-        batch["teacher"] = torch.from_numpy(self.teacher[np.asarray(rows, dtype=np.int64)])
+        rows = np.asarray(rows, dtype=np.int64)
+        batch["teacher"] = torch.from_numpy(self.teacher[rows])
+        batch["gold"] = torch.from_numpy(self.gold[rows])
         return batch
+
+
+def concatenated(first: TaskSplit, second: TaskSplit) -> dict:
+    """The fields of one split holding the rows of `first`, then those of `second`."""
+    return {"task": first.task, "ids": np.concatenate([first.ids, second.ids]),
+            "labels": np.concatenate([first.labels, second.labels]),
+            "tokens": {name: TokenColumn.concat([column, second.tokens[name]])
+                       for name, column in first.tokens.items()}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +62,8 @@ class Distillation:
     teacher: dict[str, tuple[np.ndarray, np.ndarray]]
     alpha: float  # the teacher's weight; 1 - alpha is the gold labels'
     temperature: float
+    transfer: dict[str, tuple[TaskSplit, np.ndarray]] = dataclasses.field(default_factory=dict)  # rows, teacher's
+    transfer_weight: float = 1.0  # a transfer row's loss: this x the teacher's
 
     def taught(self, split: TaskSplit) -> TaughtSplit:
         """The split with the teacher's prediction of each of its rows, matched by id (the split may be cut)."""
@@ -57,14 +75,33 @@ class Distillation:
                             f"{len(missing)} missing); the members' training-split dumps are of other data, "
                             "run `dvc repro`")
         fields = {field.name: getattr(split, field.name) for field in dataclasses.fields(split)}
-        return TaughtSplit(**fields, teacher=values[[position[row_id] for row_id in split.ids]])
+        teacher = values[[position[row_id] for row_id in split.ids]]
+        gold = np.ones(len(split), dtype=bool)
+        if split.task.name in self.transfer:  # the transfer rows after the training rows, taught only
+            rows, transfer_values = self.transfer[split.task.name]
+            fields = concatenated(split, rows)
+            teacher = np.concatenate([teacher, transfer_values])
+            gold = np.concatenate([gold, np.zeros(len(rows), dtype=bool)])
+        return TaughtSplit(**fields, teacher=teacher, gold=gold)
 
     def loss(self, model, task: str, outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The batch-mean blend of the teacher's loss and the gold labels' (an Objective's task loss)."""
+        """The batch-mean of each row's loss (an Objective's task loss): a training row's blends the teacher's
+        loss and the gold label's, a transfer row's is transfer_weight x the teacher's."""
         kind, head = model.tasks[task].kind, model.head_params[task]
-        taught = kind.teacher_loss(outputs, batch["teacher"], self.temperature, head)
-        gold = kind.loss(outputs, batch["labels"], head)
-        return self.alpha * taught + (1 - self.alpha) * gold
+        gold = batch.get("gold")
+        if gold is None or bool(gold.all()):
+            return self.blend(kind, head, outputs, batch["teacher"], batch["labels"])
+        share = gold.float().mean()  # each part's mean, weighted by its share of the batch's rows
+        taught = kind.teacher_loss(outputs[~gold], batch["teacher"][~gold], self.temperature, head)
+        loss = (1 - share) * self.transfer_weight * taught
+        if bool(gold.any()):
+            loss = loss + share * self.blend(kind, head, outputs[gold], batch["teacher"][gold], batch["labels"][gold])
+        return loss
+
+    def blend(self, kind, head, outputs: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """alpha x the teacher's loss + (1 - alpha) x the gold labels', each a mean over the rows."""
+        taught = kind.teacher_loss(outputs, teacher, self.temperature, head)
+        return self.alpha * taught + (1 - self.alpha) * kind.loss(outputs, labels, head)
 
     def fingerprint(self, run_fingerprint: str) -> str:
         """The run's fingerprint (params and data) with the teacher and the blend, so a checkpoint of another
@@ -74,5 +111,13 @@ class Distillation:
         for task in sorted(self.teacher):
             ids, values = self.teacher[task]
             digest.update(json.dumps([task, [str(i) for i in ids]]).encode())
+            digest.update(np.ascontiguousarray(values, dtype=np.float64).tobytes())
+        if self.transfer:  # a student without a transfer set keeps the fingerprint it had before there was one
+            digest.update(json.dumps({"transfer_weight": self.transfer_weight}).encode())
+        for task in sorted(self.transfer):
+            rows, values = self.transfer[task]
+            digest.update(json.dumps([task, [str(i) for i in rows.ids]]).encode())
+            for name in sorted(rows.tokens):
+                digest.update(rows.tokens[name].values.tobytes())
             digest.update(np.ascontiguousarray(values, dtype=np.float64).tobytes())
         return digest.hexdigest()
