@@ -75,7 +75,10 @@ def predict(texts: list[str] = typer.Argument(None, help="texts; for pair tasks 
     else:
         from mtbert import io  # here: it imports pyarrow, which printing to stdout does not need
 
-        io.write_text(output, lines)
+        try:
+            io.write_text(output, lines)
+        except OSError as error:  # the temporary file beside it, or the folder: name what the user gave
+            raise CommandInputError(f"--output {output}: cannot write it ({error.strerror or error})") from None
 
 
 @app.command()
@@ -122,25 +125,45 @@ def serve(model: Path = typer.Option(None, "--model", help="an export (exports/b
           max_chars: int = typer.Option(2000, min=1, help="characters per text"),
           max_body_bytes: int = typer.Option(1 << 20, min=64, help="bytes of a request's body"),
           max_batch: int = typer.Option(64, min=1, help="texts per engine call, across concurrent requests"),
-          batch_wait_ms: float = typer.Option(2.0, min=0.0, help="how long a batch waits for more requests")) -> None:
-    """Serve the model over HTTP: POST /predict, GET /tasks, GET /health (docs/inference.md)."""
+          batch_wait_ms: float = typer.Option(2.0, min=0.0, help="how long a batch waits for more requests"),
+          grace: float = typer.Option(30.0, min=0.0, help="seconds a shutdown (SIGTERM, SIGINT) waits for "
+                                                          "the requests in flight before it refuses them (503)"),
+          ) -> None:
+    """Serve the model over HTTP: POST /predict, GET /tasks, /health, /ready, /metrics (docs/inference.md)."""
     from mtbert.deploy.server import Batching, Limits, ServeConfig, run_server
 
     if (model is None) == (ensemble is None):
         raise CommandInputError("give exactly one of --model (an export or a trained folder) or --ensemble "
                                 "(metrics/ensemble.json)")
+    threads = threads or worker_threads(workers)
+    warning = oversubscription(workers, threads, cpu_count())
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     config = ServeConfig(model=model and str(model), ensemble=ensemble and str(ensemble), models_dir=str(models_dir),
-                         engine=engine, threads=threads or worker_threads(workers),
+                         engine=engine, threads=threads,
                          limits=Limits(max_texts=max_texts, max_chars=max_chars, max_body_bytes=max_body_bytes),
                          batching=Batching(max_batch=max_batch, wait_ms=batch_wait_ms))
-    run_server(config, host=host, port=port, workers=workers)
+    run_server(config, host=host, port=port, workers=workers, grace=grace)
+
+
+def cpu_count() -> int:
+    """The cores this process may run on."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def worker_threads(workers: int) -> int:
     """The machine's cores shared among the server's workers, at least one each."""
-    import os
+    return max(1, cpu_count() // workers)
 
-    return max(1, (os.cpu_count() or 1) // workers)
+
+def oversubscription(workers: int, threads: int, cores: int) -> str | None:
+    """What is wrong with a layout that asks for more threads than there are cores, or None."""
+    if workers * threads <= cores:
+        return None
+    return (f"{workers} worker(s) x {threads} thread(s) = {workers * threads} threads on {cores} core(s): they "
+            f"slow each other down; use --workers 1 --threads {cores} (docs/inference.md, Workers and threads)")
 
 
 class CommandInputError(UserError, ValueError):

@@ -23,14 +23,21 @@ class UnreadableInputError(UserError, ValueError):
 
 
 def run_app(app) -> None:
-    """Run a stage's typer app, turning a UserError into one line on stderr and exit status 1."""
+    """Run a stage's typer app, turning a UserError or an OSError into one line on stderr and exit status 1."""
     try:
         app()
-    except UserError as error:
+    except (UserError, OSError) as error:
         if os.environ.get("MTBERT_DEBUG"):
             raise
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {error if isinstance(error, UserError) else os_error_line(error)}", file=sys.stderr)
         sys.exit(1)
+
+
+def os_error_line(error: OSError) -> str:
+    """An OSError a user can cause (a path that cannot be written or read, a full disk, a port in use) in one
+    line naming the file."""
+    where = f"{error.filename}: " if error.filename else ""
+    return " ".join(f"{where}{error.strerror or error}".split())
 
 
 def setup_logging(level: str | None = None) -> None:

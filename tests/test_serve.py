@@ -2,9 +2,14 @@
 clients; its results are the engine's, every limit and bad input gets its status and one-line message,
 and it goes on answering."""
 
+import collections
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -117,7 +122,8 @@ def test_every_limit_and_bad_input_is_refused_in_one_line_and_the_server_goes_on
 def test_unknown_paths_and_methods_are_refused_in_json(server):
     missing = httpx.get(f"{server}/nothing")
     assert missing.status_code == 404 and missing.json() == {
-        "error": "not found: GET /nothing; the API has POST /predict, GET /tasks, GET /health"}
+        "error": "not found: GET /nothing; the API has POST /predict, GET /tasks, GET /health, GET /ready, "
+                 "GET /metrics"}
     wrong = httpx.get(f"{server}/predict")
     assert wrong.status_code == 405 and wrong.json()["error"].startswith("method not allowed: GET /predict")
 
@@ -197,3 +203,128 @@ def test_a_trained_folder_is_served_by_pytorch_with_the_same_api(deployed):
     assert_results_equal(predicted.json()["results"], predictor.predict("sts", [tuple(p) for p in pairs]))
     assert tasks.json()["tasks"]["qqp"] == {"kind": "binary", "text": ["sentence1", "sentence2"],
                                             "results": ["prob", "label"]}
+
+
+# --- stopping, readiness and metrics -----------------------------------------------------------------------------
+def send_until_stopped(url: str, stop: threading.Event, outcomes: list, text: str) -> None:
+    """One client on one keep-alive connection: requests back to back until `stop`, each recorded as
+    (when it was sent, its status or the name of the error that ended it)."""
+    with httpx.Client(base_url=url, timeout=60) as client:
+        while not stop.is_set():
+            sent = time.monotonic()
+            try:
+                outcome = client.post("/predict", json={"task": "sst", "texts": [text]}).status_code
+            except httpx.TransportError as error:
+                outcome = type(error).__name__
+            outcomes.append((sent, outcome))
+            if not isinstance(outcome, int):
+                return  # the server is gone: a real client would go elsewhere
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigterm_under_load_answers_every_request_sent_before_it_and_exits_0(deployed, tmp_path, workers):
+    log = tmp_path / "stderr.log"
+    process, url = start_server(log, "--model", deployed.exports / "bi", "--engine", "onnx", "--threads", "1",
+                                "--workers", str(workers), "--batch-wait-ms", "20", timeout=STARTUP_SECONDS)
+    stop, outcomes = threading.Event(), []
+    clients = [threading.Thread(target=send_until_stopped, args=(url, stop, outcomes, f"Film number {i}."))
+               for i in range(8)]
+    try:
+        for client in clients:
+            client.start()
+        deadline = time.monotonic() + 60
+        while len(outcomes) < 40 and time.monotonic() < deadline:  # under load
+            time.sleep(0.01)
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log.read_text()
+    finally:
+        stop.set()
+        for client in clients:
+            client.join()
+        if process.poll() is None:
+            stop_server(process)
+    before = [outcome for sent, outcome in outcomes if sent < signalled]
+    assert len(before) >= 40 and set(before) == {200}, collections.Counter(before)
+    after = collections.Counter(outcome for sent, outcome in outcomes if sent >= signalled)
+    assert set(after) <= {200, "ConnectError"}, after  # served on its connection, or refused: never reset
+    assert "SIGTERM: draining" in log.read_text() and "drained:" in log.read_text()
+
+
+def test_ready_is_503_while_draining_a_request_and_the_grace_period_ends_in_a_503(deployed, tmp_path):
+    log = tmp_path / "stderr.log"
+    # each batch waits 3 s for company: a request stays in flight that long
+    process, url = start_server(log, "--model", deployed.exports / "bi", "--engine", "onnx", "--threads", "1",
+                                "--batch-wait-ms", "3000", "--grace", "1", timeout=STARTUP_SECONDS)
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(1) as pool:
+            assert client.get("/ready").json() == {"status": "ready"}
+            waiting = pool.submit(lambda: httpx.post(f"{url}/predict", json={"task": "sst", "texts": ["Fine."]},
+                                                     timeout=60))
+            time.sleep(0.5)
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            ready = client.get("/ready")  # on the connection the server already had
+            assert ready.status_code == 503 and ready.headers["connection"] == "close"
+            assert ready.json() == {"error": "draining: the server is shutting down and takes no new work"}
+            refused = waiting.result()
+        assert refused.status_code == 503 and refused.json()["error"].startswith(
+            "the server is shutting down and its grace period ended before this request was served")
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            stop_server(process)
+    assert "drained: 2 request(s) answered" in log.read_text()
+
+
+def counted(url: str) -> dict[tuple[str, str], float]:
+    """mtbert_requests_total by (endpoint, status), parsed as Prometheus parses the text format."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{url}/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    families = {family.name: family for family in text_string_to_metric_families(response.text)}
+    assert {"mtbert_request_seconds", "mtbert_engine_batch_texts", "mtbert_queue_depth",
+            "mtbert_engine_errors"} <= set(families)
+    return {(s.labels["endpoint"], s.labels["status"]): s.value for s in families["mtbert_requests"].samples
+            if s.name == "mtbert_requests_total"}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_metrics_count_every_request_of_every_worker(deployed, tmp_path, workers):
+    process, url = start_server(tmp_path / "stderr.log", "--model", deployed.exports / "bi", "--engine", "onnx",
+                                "--threads", "1", "--workers", str(workers), timeout=STARTUP_SECONDS)
+    try:
+        before = counted(url)
+        for index in range(12):  # a connection each: the kernel spreads them over the workers
+            httpx.post(f"{url}/predict", json={"task": "sst", "texts": [f"Film {index}."]}).raise_for_status()
+        assert httpx.post(f"{url}/predict", json={"task": "sst", "texts": []}).status_code == 422
+        after = counted(url)
+    finally:
+        stop_server(process)
+    def grew(key):
+        return after.get(key, 0) - before.get(key, 0)
+    assert grew(("/predict", "200")) == 12 and grew(("/predict", "422")) == 1
+    assert grew(("/metrics", "200")) == 1  # the first scrape, counted once it was answered
+
+
+def test_an_output_file_that_cannot_be_written_is_one_line(deployed, tmp_path):
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o555)
+    result = subprocess.run([sys.executable, "-m", "mtbert.cli", "predict", "--model", str(deployed.exports / "bi"),
+                             "--task", "sst", "--output", str(read_only / "out.jsonl"), "Fine."], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=STARTUP_SECONDS)
+    if os.geteuid() == 0:  # root writes anywhere: a path under a file fails for everyone
+        result = subprocess.run([sys.executable, "-m", "mtbert.cli", "predict", "--model",
+                                 str(deployed.exports / "bi"), "--task", "sst", "--output",
+                                 str(REPO_ROOT / "README.md" / "out.jsonl"), "Fine."], cwd=REPO_ROOT,
+                                capture_output=True, text=True, timeout=STARTUP_SECONDS)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: --output ") and "cannot write it (" in result.stderr
+
+
+def test_a_layout_with_more_threads_than_cores_is_warned_about():
+    from mtbert.cli import oversubscription
+
+    assert oversubscription(1, 2, 2) is None and oversubscription(2, 1, 2) is None
+    assert oversubscription(2, 2, 2).startswith("2 worker(s) x 2 thread(s) = 4 threads on 2 core(s)")

@@ -3,7 +3,9 @@
     POST /predict  {"task": "sst", "texts": ["A gorgeous, witty film."]}   (pairs: [["a", "b"], ...])
                 -> {"task": "sst", "results": [{"prob_0": ..., "prob_4": ..., "label": 4}]}
     GET  /tasks    each task's kind, text columns and result columns
-    GET  /health   {"status": "ok", ...} with the requests and engine calls this worker has served
+    GET  /health   {"status": "ok", ...} with the requests and engine calls this worker has served (liveness)
+    GET  /ready    200 {"status": "ready"} once the model is loaded, 503 while starting or draining (readiness)
+    GET  /metrics  Prometheus metrics (mtbert/deploy/metrics.py)
 
 The results are `mtbert predict`'s (the same engine: mtbert/deploy/predictors.py). Concurrent requests are
 batched: a batch starts with the first waiting request, waits `wait_ms` for more, and takes every request
@@ -12,30 +14,36 @@ event loop keeps accepting requests meanwhile. Every refusal is a status and `{"
 400 a body that is not JSON; 404 an unknown task or path; 405 a wrong method; 413 a body over
 `max_body_bytes` (refused before it is read whole), over `max_texts` texts or a text over `max_chars`
 characters, each naming the limit; 422 a body of the wrong shape, an empty text or a pair with a side
-missing; 500 anything else, which is logged and leaves the server answering. Several worker processes
-(`--workers`) each load the model and share the port.
+missing; 500 anything else, which is logged and leaves the server answering; 503 a request the grace
+period of a shutdown ended before it was served. Several worker processes (`--workers`) each load the
+model and share the port. SIGTERM or SIGINT drains every worker before it exits: mtbert/deploy/lifecycle.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import os
-import sys
+import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mtbert.deploy.lifecycle import Lifecycle, log, run_worker, supervise
+from mtbert.deploy.metrics import MULTIPROCESS_VARIABLE, ServerMetrics
 from mtbert.deploy.predictors import load_predictor
 from mtbert.inputs import InputError, check_texts
 
 CONFIG_VARIABLE = "MTBERT_SERVE_CONFIG"  # how the worker processes get the configuration
-ENDPOINTS = "POST /predict, GET /tasks, GET /health"
+ENDPOINTS = "POST /predict, GET /tasks, GET /health, GET /ready, GET /metrics"
+PATHS = ("/predict", "/tasks", "/health", "/ready", "/metrics")  # the metrics' endpoint label; others: "other"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,12 +101,13 @@ class Pending:
 class MicroBatcher:
     """Runs the engine on batches of the requests waiting together (see the module's docstring)."""
 
-    def __init__(self, predictor, batching: Batching):
-        self.predictor, self.batching = predictor, batching
+    def __init__(self, predictor, batching: Batching, metrics: ServerMetrics):
+        self.predictor, self.batching, self.metrics = predictor, batching, metrics
         self.queue: asyncio.Queue[Pending] | None = None
         self.loop_task: asyncio.Task | None = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtbert-engine")
         self.requests = self.engine_calls = 0
+        self.running: list[Pending] = []  # the batch in the engine
 
     def start(self) -> None:
         self.queue = asyncio.Queue()
@@ -115,19 +124,33 @@ class MicroBatcher:
         """The results of one request's rows, once the batch it joined has run."""
         future = asyncio.get_running_loop().create_future()
         self.requests += 1
+        self.metrics.queue_depth.inc()
         await self.queue.put(Pending(task, rows, future))
         return await future
 
     async def run(self) -> None:
         while True:
-            batch = [await self.queue.get()]
+            self.running = [await self.queue.get()]  # the batch being formed, then in the engine
+            self.metrics.queue_depth.dec()
             if self.batching.wait_ms:
                 await asyncio.sleep(self.batching.wait_ms / 1000)
-            texts = len(batch[0].rows)
+            texts = sum(len(pending.rows) for pending in self.running)
             while texts < self.batching.max_batch and not self.queue.empty():
-                batch.append(self.queue.get_nowait())
-                texts += len(batch[-1].rows)
-            await self.run_batch(batch)
+                self.running.append(self.queue.get_nowait())
+                self.metrics.queue_depth.dec()
+                texts += len(self.running[-1].rows)
+            await self.run_batch(self.running)
+            self.running = []
+
+    def fail_waiting(self, error: Exception) -> None:
+        """Every request not answered yet (queued, being batched or in the engine) gets `error`: the end of a
+        drain's grace period."""
+        while self.queue is not None and not self.queue.empty():
+            self.running.append(self.queue.get_nowait())
+            self.metrics.queue_depth.dec()
+        for pending in self.running:
+            if not pending.future.done():
+                pending.future.set_exception(error)
 
     async def run_batch(self, batch: list[Pending]) -> None:
         """One engine call per task of the batch; each request gets its own rows' results."""
@@ -138,11 +161,13 @@ class MicroBatcher:
                 results = await asyncio.get_running_loop().run_in_executor(
                     self.executor, self.predictor.predict, task, rows)
             except Exception as error:  # the requests get a 500 each; the server goes on
+                self.metrics.engine_errors.inc()
                 for pending in group:
                     if not pending.future.done():
                         pending.future.set_exception(error)
                 continue
             self.engine_calls += 1
+            self.metrics.batch_texts.observe(len(rows))
             start = 0
             for pending in group:
                 if not pending.future.done():  # a client that left has its future cancelled
@@ -150,25 +175,79 @@ class MicroBatcher:
                 start += len(pending.rows)
 
 
+class ServingMiddleware:
+    """Around every request: counts it in flight (a drain waits for it), times it and counts its status for
+    /metrics, and while the worker drains tells the client to close the connection."""
+
+    def __init__(self, app, lifecycle: Lifecycle, metrics: ServerMetrics):
+        self.app, self.lifecycle, self.metrics = app, lifecycle, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        endpoint = scope["path"] if scope["path"] in PATHS else "other"
+        started, status = time.perf_counter(), 500  # 500: the app raised before it answered
+
+        async def respond(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if self.lifecycle.draining:
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        self.lifecycle.in_flight += 1
+        try:
+            await self.app(scope, receive, respond)
+        finally:
+            self.lifecycle.in_flight -= 1
+            self.lifecycle.served += self.lifecycle.draining
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+
 def create_app(predictor, limits: Limits = Limits(), batching: Batching = Batching()) -> FastAPI:
-    """The API over `predictor` (any of mtbert's predictors: `tasks`, `predict(task, texts)`)."""
-    batcher = MicroBatcher(predictor, batching)
+    """The API over `predictor` (any of mtbert's predictors: `tasks`, `predict(task, texts)`); its
+    `state.lifecycle` says whether it is ready or draining (mtbert/deploy/lifecycle.py)."""
+    metrics, lifecycle = ServerMetrics(), Lifecycle()
+    batcher = MicroBatcher(predictor, batching, metrics)
+    lifecycle.on_grace_end.append(lambda: batcher.fail_waiting(ApiError(
+        503, "the server is shutting down and its grace period ended before this request was served; send it "
+             "again (to another server)")))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if hasattr(predictor, "warm"):
             predictor.warm()  # every graph loaded before the first request
         batcher.start()
+        lifecycle.ready = True
         yield
+        lifecycle.ready = False
         await batcher.stop()
 
     app = FastAPI(title="mtbert", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.lifecycle = lifecycle
+    app.add_middleware(ServingMiddleware, lifecycle=lifecycle, metrics=metrics)
     add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "tasks": list(predictor.tasks), "requests": batcher.requests,
-                "engine_calls": batcher.engine_calls}
+                "engine_calls": batcher.engine_calls, "draining": lifecycle.draining}
+
+    @app.get("/ready")
+    async def ready() -> dict:
+        if lifecycle.draining:
+            raise ApiError(503, "draining: the server is shutting down and takes no new work")
+        if not lifecycle.ready:
+            raise ApiError(503, "starting: the model is not loaded yet")
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        content, media_type = metrics.exposition()
+        return Response(content, media_type=media_type)
 
     @app.get("/tasks")
     async def tasks() -> dict:
@@ -267,24 +346,25 @@ def describe_task(task) -> dict:
     return {"kind": kind, "text": list(task.text_columns), "results": [*columns, "label"]}
 
 
-def app_from_environment() -> FastAPI:
-    """The app of one worker process, configured by the parent through CONFIG_VARIABLE (uvicorn's factory)."""
+def serve_from_environment(sock, *, host: str, port: int, grace: float) -> None:
+    """One worker process of `--workers N`, configured by the parent through CONFIG_VARIABLE."""
     config = ServeConfig.from_json(os.environ[CONFIG_VARIABLE])
-    return create_app(config.predictor(config.batching.max_batch), config.limits, config.batching)
+    app = create_app(config.predictor(config.batching.max_batch), config.limits, config.batching)
+    run_worker(app, host=host, port=port, grace=grace, sockets=[sock], ignore_sigint=True)
 
 
-def run_server(config: ServeConfig, *, host: str, port: int, workers: int) -> None:
-    """Serve until interrupted: in this process, or in `workers` processes that share the port."""
-    import uvicorn
-
+def run_server(config: ServeConfig, *, host: str, port: int, workers: int, grace: float = 30.0) -> None:
+    """Serve until SIGTERM or SIGINT, then drain (mtbert/deploy/lifecycle.py): in this process, or in `workers`
+    processes that share the port."""
     predictor = config.predictor(config.batching.max_batch)  # a bad folder fails here, in one line
-    print(f"mtbert serve: http://{host}:{port} ({ENDPOINTS}); tasks {', '.join(predictor.tasks)}; "
-          f"{workers} worker(s), {config.threads} thread(s) each", file=sys.stderr, flush=True)
+    log(f"http://{host}:{port} ({ENDPOINTS}); tasks {', '.join(predictor.tasks)}; {workers} worker(s), "
+        f"{config.threads} thread(s) each; a shutdown drains for at most {grace:g} s")
     if workers == 1:
-        uvicorn.run(create_app(predictor, config.limits, config.batching), host=host, port=port,
-                    log_level="warning", access_log=False)
+        run_worker(create_app(predictor, config.limits, config.batching), host=host, port=port, grace=grace)
         return
     del predictor  # each worker loads its own
     os.environ[CONFIG_VARIABLE] = config.to_json()
-    uvicorn.run(f"{__name__}:app_from_environment", factory=True, host=host, port=port, workers=workers,
-                log_level="warning", access_log=False)
+    with tempfile.TemporaryDirectory(prefix="mtbert-metrics-") as metrics_dir:
+        os.environ[MULTIPROCESS_VARIABLE] = metrics_dir  # the workers' figures, added up by /metrics
+        supervise(functools.partial(serve_from_environment, host=host, port=port, grace=grace), workers,
+                  host=host, port=port, grace=grace)

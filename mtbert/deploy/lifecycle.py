@@ -1,0 +1,127 @@
+"""How `mtbert serve` starts and stops: readiness, a drain on SIGTERM or SIGINT, and its worker processes.
+
+On SIGTERM or SIGINT a worker drains, then exits 0:
+1. `/ready` answers 503 and the worker stops accepting connections;
+2. every request it has accepted is finished, those waiting in the micro-batcher included; a request that
+   arrives meanwhile on a connection the worker already had is served too, and every response now says
+   `Connection: close`, so clients move to another server instead of finding a closed socket;
+3. once no request is in flight it closes the idle connections and exits; a request still unfinished when
+   the grace period (`--grace`) ends gets a 503 and a one-line JSON error instead.
+A second signal during the drain ends the grace period at once.
+
+uvicorn's own shutdown does not do this: it closes idle keep-alive connections the moment the signal
+arrives (a client that is just sending on one gets "connection reset"), answers nothing to the requests it
+cancels at its timeout, and raises the signal again on its way out (exit status 143, not 0). Its worker
+supervisor builds uvicorn's server itself, so `--workers N` runs the supervisor below instead: it binds the
+port once, starts N spawned workers that share it, replaces a worker that dies, and on a signal closes its
+copy of the socket, passes SIGTERM to every worker and waits for their drains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+
+import uvicorn
+
+
+@dataclasses.dataclass
+class Lifecycle:
+    """One worker's state, shared by its app (readiness, in-flight requests) and its server (the drain)."""
+    ready: bool = False  # the model is loaded and the micro-batcher runs
+    draining: bool = False
+    in_flight: int = 0  # requests inside the app
+    served: int = 0  # requests answered since the drain began
+    on_grace_end: list = dataclasses.field(default_factory=list)  # callbacks: fail what is still waiting
+
+    def begin_drain(self) -> None:
+        self.draining, self.served = True, 0
+
+
+def log(message: str) -> None:
+    print(f"mtbert serve [{os.getpid()}]: {message}", file=sys.stderr, flush=True)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with the drain of the module's docstring before uvicorn's own shutdown."""
+
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, grace: float, ignore_sigint: bool = False):
+        super().__init__(config)
+        self.lifecycle, self.grace = lifecycle, grace
+        self.ignore_sigint = ignore_sigint  # a worker under the supervisor: the terminal's Ctrl-C is the parent's
+        self.drain_started: float | None = None
+        self.grace_over = False
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGINT and self.ignore_sigint:
+            return
+        if self.lifecycle.draining:  # a second signal: no more waiting
+            self.grace_over = True
+            return
+        self.lifecycle.begin_drain()  # not uvicorn's: it would re-raise the signal on exit
+        self.drain_started = time.monotonic()
+        log(f"{signal.Signals(sig).name}: draining {self.lifecycle.in_flight} request(s) in flight, "
+            f"for at most {self.grace:g} s (--grace); /ready now answers 503")
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_started is None:
+            return await super().on_tick(counter)
+        for server in self.servers:  # stop accepting connections (closing twice is harmless)
+            server.close()
+        waited = time.monotonic() - self.drain_started
+        if not self.grace_over and waited >= self.grace:
+            self.grace_over = True
+        if self.grace_over and self.lifecycle.in_flight:
+            for fail_waiting in self.lifecycle.on_grace_end:
+                fail_waiting()
+        if self.lifecycle.in_flight:
+            return False
+        log(f"drained: {self.lifecycle.served} request(s) answered in {waited:.2f} s; exiting")
+        return True
+
+
+def run_worker(app, *, host: str, port: int, grace: float, sockets=None, ignore_sigint: bool = False) -> None:
+    """Serve `app` (its `state.lifecycle` set) until a signal, then drain and return."""
+    # uvicorn's own grace is a backstop past ours: by then every request was answered or refused
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5)
+    server = DrainingServer(config, app.state.lifecycle, grace, ignore_sigint)
+    server.run(sockets=sockets)
+
+
+def supervise(worker, workers: int, *, host: str, port: int, grace: float) -> None:
+    """Run `worker(sock)` in `workers` spawned processes sharing one bound socket (see the docstring)."""
+    from mtbert.deploy.metrics import worker_exited
+
+    sock = uvicorn.Config(app=None, host=host, port=port).bind_socket()
+    context = multiprocessing.get_context("spawn")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def start() -> multiprocessing.Process:
+        process = context.Process(target=worker, args=(sock,), daemon=False)
+        process.start()
+        return process
+
+    processes = [start() for _ in range(workers)]
+    while not stop.wait(0.5):
+        for index, process in enumerate(processes):
+            if not process.is_alive() and not stop.is_set():
+                log(f"worker {process.pid} ended (exit status {process.exitcode}); starting another")
+                worker_exited(process.pid)
+                processes[index] = start()
+    log(f"stopping: {workers} worker(s) drain, for at most {grace:g} s")
+    sock.close()  # the workers' copies close as they drain; then new connections are refused
+    for process in processes:
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGTERM)
+    for process in processes:
+        process.join()
+        worker_exited(process.pid)
+    log("every worker has stopped")
