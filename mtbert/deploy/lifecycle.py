@@ -5,8 +5,9 @@ On SIGTERM or SIGINT a worker drains, then exits 0:
 2. every request it has accepted is finished, those waiting in the micro-batcher included; a request that
    arrives meanwhile on a connection the worker already had is served too, and every response now says
    `Connection: close`, so clients move to another server instead of finding a closed socket;
-3. once no request is in flight it closes the idle connections and exits; a request still unfinished when
-   the grace period (`--grace`) ends gets a 503 and a one-line JSON error instead.
+3. once no request is in flight and every connection has closed or been idle for IDLE_LINGER, it closes
+   the idle ones and exits; a request still unfinished when the grace period (`--grace`) ends gets a 503
+   and a one-line JSON error instead.
 A second signal during the drain ends the grace period at once.
 
 uvicorn's own shutdown does not do this: it closes idle keep-alive connections the moment the signal
@@ -37,14 +38,19 @@ class Lifecycle:
     draining: bool = False
     in_flight: int = 0  # requests inside the app
     served: int = 0  # requests answered since the drain began
+    last_activity: float = 0.0  # time.monotonic() of the last request's start or end
     on_grace_end: list = dataclasses.field(default_factory=list)  # callbacks: fail what is still waiting
 
     def begin_drain(self) -> None:
         self.draining, self.served = True, 0
 
 
+IDLE_LINGER = 0.5  # seconds without a request before a drained worker closes its idle connections
+
+
 def log(message: str) -> None:
-    print(f"mtbert serve [{os.getpid()}]: {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"mtbert serve [{os.getpid()}]: {message}\n")  # one write: workers share stderr
+    sys.stderr.flush()
 
 
 class DrainingServer(uvicorn.Server):
@@ -79,8 +85,9 @@ class DrainingServer(uvicorn.Server):
         if self.grace_over and self.lifecycle.in_flight:
             for fail_waiting in self.lifecycle.on_grace_end:
                 fail_waiting()
-        if self.lifecycle.in_flight:
-            return False
+        quiet = time.monotonic() - self.lifecycle.last_activity
+        if self.lifecycle.in_flight or (self.server_state.connections and quiet < IDLE_LINGER and not self.grace_over):
+            return False  # a client still on an open connection gets its next request served, with a close
         log(f"drained: {self.lifecycle.served} request(s) answered in {waited:.2f} s; exiting")
         return True
 

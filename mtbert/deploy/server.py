@@ -187,7 +187,7 @@ class ServingMiddleware:
             await self.app(scope, receive, send)
             return
         endpoint = scope["path"] if scope["path"] in PATHS else "other"
-        started, status = time.perf_counter(), 500  # 500: the app raised before it answered
+        started, status = time.monotonic(), 500  # 500: the app raised before it answered
 
         async def respond(message) -> None:
             nonlocal status
@@ -198,13 +198,16 @@ class ServingMiddleware:
             await send(message)
 
         self.lifecycle.in_flight += 1
+        self.lifecycle.last_activity = started
         try:
             await self.app(scope, receive, respond)
         finally:
             self.lifecycle.in_flight -= 1
-            self.lifecycle.served += self.lifecycle.draining
+            self.lifecycle.last_activity = time.monotonic()
+            if self.lifecycle.draining:
+                self.lifecycle.served += 1
             self.metrics.requests.labels(endpoint, str(status)).inc()
-            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+            self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
 
 
 def create_app(predictor, limits: Limits = Limits(), batching: Batching = Batching()) -> FastAPI:
