@@ -1,7 +1,6 @@
 """The CUDA paths CI cannot run, on the 2-layer backbone: bf16 autocast in train, pretrain and predict, the
 data-parallel collectives on NCCL, and the resume of a killed run (the CUDA generator's state). Skipped
-without a GPU (CI has none): run `pytest tests/test_cuda.py -s` where one is
-(docs/experiments/2026-11-25-gpu-h100.md)."""
+without a GPU (CI has none): run `pytest tests/test_cuda.py -s` where one is (docs/performance.md)."""
 
 from __future__ import annotations
 

@@ -161,7 +161,7 @@ def prepare(params: Params, paths: Paths, ranks: Ranks, device: torch.device, fi
     vocab = MaskingVocab.from_tokenizer(tokenizer)
     model, head_from_checkpoint = load_masked_lm(params.model.name)
     # sdpa in training too, even on a CPU: the eager attention fine-tuning switches to there was slower
-    # for masked-LM steps (docs/experiments/2026-11-26-peer-same-examples-avx2.md)
+    # for masked-LM steps (docs/training.md, masked-LM pretraining)
     model.to(device).train()
     sync_parameters(model, ranks)
     if not head_from_checkpoint:
