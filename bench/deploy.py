@@ -12,8 +12,8 @@ engine measured in the same run:
   fixed number of one-sentence requests, then the server is stopped: p50 and p99 latency, requests/s, and
   every response counted by status (or the client error that replaced it).
 
-int8's dev metrics against fp32's are the export's own measurement (metrics/export/<variant>.json), shown
-beside these when it is there. Needs models/<variant> and exports/<variant> (`dvc repro export@<variant>`)
+int8's dev metrics against fp32's are the export's own measurement (metrics/export/<model>.json), shown
+beside these when it is there. Needs models/<model> and exports/<model> (`dvc repro export@<model>`)
 and data/tokenized.
 """
 
@@ -267,7 +267,7 @@ def verdict(value: float, target: float, higher_is_better: bool) -> str:
 
 
 @app.command()
-def main(variant: str = typer.Option("base"),
+def main(name: str = typer.Option("", "--model", help="a name in export.models (default: the first)"),
          params_file: Path = typer.Option(Path("params.yaml")),
          models_dir: Path = typer.Option(Path("models")),
          exports_dir: Path = typer.Option(Path("exports")),
@@ -284,15 +284,16 @@ def main(variant: str = typer.Option("base"),
     import tempfile
 
     from mtbert import io
-    from mtbert.params import variant_params
+    from mtbert.params import load_params
 
-    params = variant_params(params_file, variant)
+    params = load_params(params_file)
+    name = name or params.export.models[0]
     threads = params.runtime.threads
     with tempfile.TemporaryDirectory() as scratch:
-        figures = deploy_figures(models_dir / variant, exports_dir / variant, tokenized_dir, threads=threads,
+        figures = deploy_figures(models_dir / name, exports_dir / name, tokenized_dir, threads=threads,
                                  texts_per_task=texts_per_task, single_calls=single_calls, rounds=rounds,
                                  cold_starts=cold_starts, clients=clients, requests=requests, workers=workers,
-                                 export_metrics=Path("metrics/export") / f"{variant}.json", scratch=Path(scratch))
+                                 export_metrics=Path("metrics/export") / f"{name}.json", scratch=Path(scratch))
     report(figures)
     io.write_json(json_out, figures)
 

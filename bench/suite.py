@@ -20,8 +20,8 @@
 6. peak resident memory of a process training the default variant (steps, an evaluation, a checkpoint);
 7. `mtbert predict`'s engine: one-sentence latency (p50, p95) and batched sentences/s from raw text, against
    the `predict` stage's path over the tokenized splits (bench/inference.py);
-8. the deployed model (bench/deploy.py), where models/<variant> and its export exports/<variant> exist: cold
-   start of a `mtbert predict` call, one-sentence p50/p95 and batched sentences/s for PyTorch, ONNX fp32 and
+8. the deployed model (bench/deploy.py; the first of export.models), where models/<model> and exports/<model>
+   exist: cold start of a `mtbert predict` call, one-sentence p50/p95 and batched sentences/s for PyTorch, ONNX fp32 and
    int8, and a bounded load test of `mtbert serve` on loopback.
 
 The configurations being compared alternate in short blocks over the same kind of real batches, so a
@@ -231,8 +231,10 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
          variant: str = typer.Option("base"),
          params_file: Path = typer.Option(Path("params.yaml")),
          tokenized_dir: Path = typer.Option(Path("data/tokenized")),
-         models_dir: Path = typer.Option(Path("models"), help="figure 8: the trained <variant> there ..."),
-         exports_dir: Path = typer.Option(Path("exports"), help="... and its export there (both must exist)"),
+         deployed: str = typer.Option("", help="figure 8: the model whose export is timed (default: the first of "
+                                               "export.models) ..."),
+         models_dir: Path = typer.Option(Path("models"), help="... trained there ..."),
+         exports_dir: Path = typer.Option(Path("exports"), help="... and exported there (both must exist)"),
          json_out: Path = typer.Option(Path("metrics/bench.json"))) -> None:
     setup_logging()
     params = variant_params(params_file, variant)
@@ -285,11 +287,12 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
         figures["engine"] = engine_figures(run, params, tokenized_dir, dev)
         del run
         figures["deploy"] = None
-        if (models_dir / variant).is_dir() and (exports_dir / variant).is_dir():
-            print(f"the deployed model: {models_dir / variant} and {exports_dir / variant} ...", flush=True)
-            figures["deploy"] = deploy_figures(models_dir / variant, exports_dir / variant, tokenized_dir,
+        deployed = deployed or next(iter(params.export.models), "")
+        if deployed and (models_dir / deployed).is_dir() and (exports_dir / deployed / "manifest.json").is_file():
+            print(f"the deployed model: {models_dir / deployed} and {exports_dir / deployed} ...", flush=True)
+            figures["deploy"] = deploy_figures(models_dir / deployed, exports_dir / deployed, tokenized_dir,
                                                threads=figures["threads"], scratch=Path(scratch),
-                                               export_metrics=Path("metrics/export") / f"{variant}.json")
+                                               export_metrics=Path("metrics/export") / f"{deployed}.json")
     print("tokenize (a fresh process) ...", flush=True)
     figures["tokenize_seconds"] = round(tokenize_seconds(params_file), 2)
     print(f"peak memory of training ({memory_steps} steps, evaluation, checkpoint) ...", flush=True)

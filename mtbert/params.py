@@ -294,7 +294,8 @@ class PredictParams:
 
 @section
 class ExportParams:
-    """Deployable ONNX graphs of each trained variant (stage `export`, docs/inference.md)."""
+    """Deployable ONNX graphs of trained models (stage `export@<model>`, docs/inference.md)."""
+    models: list[Str]  # which: keys of `models:` (variants) or of distill.students (students)
     opset: Int = Field(ge=14)  # the graphs' ONNX opset (14: the first with every op a BERT encoder needs)
     tolerance: Float = Field(gt=0.0)  # the fp32 graphs must match PyTorch within this, or the export fails
     check_rows: Int = Field(ge=1)  # dev rows per task run through both PyTorch and ONNX Runtime at export
@@ -428,6 +429,10 @@ class Params:
             if not VARIANT_NAME.fullmatch(name) or name in self.models or name in ("ensemble", "pretrained"):
                 raise ParamsError(f"distill.students.{name}: a student name may use letters, digits, '_' and '-', "
                                   "and cannot be a variant's, 'ensemble' or 'pretrained' (they share models/)")
+        for name in self.export.models:
+            if name not in self.models and name not in self.distill.students:
+                raise ParamsError(f"export.models: expected keys of models or of distill.students "
+                                  f"({', '.join([*self.models, *self.distill.students])}), got {name!r}")
         return self
 
 
@@ -545,6 +550,21 @@ def variant_params(raw_or_path: Any, variant: str) -> Params:
         raw, source = _read_yaml(Path(raw_or_path)), str(raw_or_path)
     parse_params(raw, source=source)
     return _validate(Params, merged_variant(raw, variant), f"models.{variant}")
+
+
+def student_params(params_file: Path | str, student: str) -> Params:
+    """The params of one distilled student: distill.variant's with the student's seed (distill.students)."""
+    raw = _read_yaml(Path(params_file))
+    distill = parse_params(raw, source=str(params_file)).distill
+    require_student(distill, student, params_file)
+    merged = deep_merge(merged_variant(raw, distill.variant), {"train": {"seed": distill.students[student]}})
+    return parse_section(Params, merged, f"distill.students.{student}", source=str(params_file))
+
+
+def require_student(distill: DistillParams, student: str, source: Path | str) -> None:
+    if student not in distill.students:
+        raise ParamsError(f"{source}: distill.students: no student {student!r}; it names "
+                          f"{', '.join(distill.students)}")
 
 
 def merged_variant(raw: dict, variant: str) -> dict:

@@ -23,21 +23,20 @@ import sys
 from pathlib import Path
 
 import typer
-import yaml
 
 from mtbert import io
 from mtbert.data.tasks import tasks_from_params
+from mtbert.evaluation.evaluate import write_predictions
 from mtbert.evaluation.metrics import headline_summary
 from mtbert.evaluation.teacher import ensemble_members, ensemble_teacher, transfer_teacher
 from mtbert.model.card import CARD_FILE, student_card
 from mtbert.model.saved import CONFIG_FILE, load_model, write_checksums
-from mtbert.params import DistillParams, Params, ParamsError, deep_merge, load_params, merged_variant, parse_section
+from mtbert.params import Params, load_params, require_student, student_params
 from mtbert.runtime import limit_memory_growth, run_app, setup_logging, use_bf16
 from mtbert.training import finetune
 from mtbert.training.distillation import Distillation
 from mtbert.training.distributed import relaunch_with_torchrun, setup_process, shutdown, under_torchrun
 from mtbert.training.loop import Paths
-from stages.predict import write_predictions
 
 log = logging.getLogger("distill")
 app = typer.Typer(add_completion=False)
@@ -50,13 +49,6 @@ class Outputs:
     dumps: Path  # data/distilled/<student>/
     metrics: Path  # metrics/<student>.json: dev metrics, as predict's metrics/<variant>.json
     summary: Path  # metrics/train/<student>.json: the training summary, as train's
-
-
-def student_params(params_file: Path, distill: DistillParams, student: str) -> Params:
-    """The configuration of distill.variant with the student's seed, validated like a variant's."""
-    raw = yaml.safe_load(params_file.read_text(encoding="utf-8"))
-    merged = deep_merge(merged_variant(raw, distill.variant), {"train": {"seed": distill.students[student]}})
-    return parse_section(Params, merged, f"distill.students.{student}", source=str(params_file))
 
 
 def skip(outputs: Outputs, student: str) -> None:
@@ -107,17 +99,14 @@ def main(student: str = typer.Option(..., "--student", help="a key of distill.st
          train_metrics_dir: Path = typer.Option(Path("metrics/train")),
          checkpoints_dir: Path = typer.Option(Path("checkpoints"))) -> None:
     setup_logging()
-    params = load_params(params_file)
-    distill = params.distill
-    if student not in distill.students:
-        raise ParamsError(f"{params_file}: distill.students: no student {student!r}; it names "
-                          f"{', '.join(distill.students)}")
+    distill = load_params(params_file).distill
+    require_student(distill, student, params_file)
     outputs = Outputs(model=models_dir / student, dumps=dumps_dir / student, metrics=metrics_dir / f"{student}.json",
                       summary=train_metrics_dir / f"{student}.json")
     if not distill.enabled:
         skip(outputs, student)
         return
-    own = student_params(params_file, distill, student)
+    own = student_params(params_file, student)
     if own.train.nproc > 1 and not under_torchrun():
         relaunch_with_torchrun(own.train.nproc, "stages.distill", sys.argv[1:])
     tasks = tasks_from_params(own.tasks)

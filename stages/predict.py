@@ -15,10 +15,8 @@ from pathlib import Path
 import typer
 
 from mtbert import io
-from mtbert.data.batches import load_split
-from mtbert.evaluation.evaluate import predict_split
-from mtbert.evaluation.metrics import headline_summary, overall, task_metrics
-from mtbert.evaluation.predictions import rejected_ids, write_dump, write_submission
+from mtbert.evaluation.evaluate import write_predictions
+from mtbert.evaluation.metrics import headline_summary
 from mtbert.model.saved import load_model
 from mtbert.params import load_params
 from mtbert.runtime import limit_memory_growth, run_app, setup_logging, setup_torch, use_bf16
@@ -50,27 +48,6 @@ def main(variant: str = typer.Option(..., "--variant", help="a key of `models:` 
                                     bf16, transfer_dir)
     io.write_metrics(metrics_dir / f"{variant}.json", dev_metrics)
     log.info("%s dev: overall %.4f  %s", variant, dev_metrics["overall"], headline_summary(dev_metrics, model.tasks))
-
-
-def write_predictions(model, splits: tuple[str, ...], tokenized_dir: Path, rejects_file: Path, out_dir: Path,
-                      batch_size: int, device, bf16: bool, transfer_dir: Path | None = None) -> dict:
-    """Every task's dumps of the splits into out_dir, with the CS224N files of dev and test; the dev metrics.
-    Split `transfer` is read from transfer_dir, and a task without transfer rows gets no dump of it."""
-    dev_metrics = {}
-    for task in model.tasks.values():
-        for split in splits:
-            data = load_split(transfer_dir if split == "transfer" else tokenized_dir, task, split)
-            if not len(data):
-                continue
-            values = predict_split(model, data, batch_size, device, bf16)
-            write_dump(out_dir, task, split, data.ids, values)
-            if split in ("dev", "test"):  # the grader's files
-                write_submission(out_dir, task, split, data.ids, values, rejected_ids(rejects_file, task.name, split))
-            if split == "dev":
-                dev_metrics[task.name] = task_metrics(task, values, data.labels)
-            log.info("%s-%s: %d predictions", task.name, split, len(data))
-    dev_metrics["overall"] = overall(dev_metrics, model.tasks)
-    return dev_metrics
 
 
 if __name__ == "__main__":

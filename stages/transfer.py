@@ -14,6 +14,7 @@ import functools
 import logging
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import typer
 
@@ -21,7 +22,7 @@ from mtbert import io
 from mtbert.data.batches import tokenized_input
 from mtbert.data.tasks import tasks_from_params, tokenized_path
 from mtbert.data.tokenization import encode_rows
-from mtbert.data.transfer import TrainingText, transfer_rows
+from mtbert.data.transfer import Embed, TrainingText, transfer_rows
 from mtbert.model.backbone import load_encoder, load_tokenizer, starting_point
 from mtbert.model.pooling import mean_pooled_embeddings
 from mtbert.params import load_params
@@ -30,6 +31,18 @@ from mtbert.runtime import run_app, setup_logging, setup_torch, use_bf16
 log = logging.getLogger("transfer")
 app = typer.Typer(add_completion=False)
 SPLIT = "transfer"
+
+
+def remembered(embed: Embed) -> Embed:
+    """embed, run once per pool of sentences: with pairs_from all, every pair task draws from the same pool."""
+    done: dict[tuple[str, ...], np.ndarray] = {}
+
+    def cached(texts: list[str]) -> np.ndarray:
+        key = tuple(texts)
+        if key not in done:
+            done[key] = embed(texts)
+        return done[key]
+    return cached
 
 
 @app.command()
@@ -51,9 +64,9 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
         for name, task in tasks.items()}
     needs_neighbours = params.distill.enabled and transfer.neighbours > 0 and any(
         task.is_pair and transfer.rows.get(name, 0) for name, task in tasks.items())
-    embed = functools.partial(mean_pooled_embeddings, load_encoder(start).to(device), tokenizer,
-                              max_length=params.tokenize.max_length,
-                              bf16=use_bf16(params.predict.bf16, device)) if needs_neighbours else None
+    embed = remembered(functools.partial(mean_pooled_embeddings, load_encoder(start).to(device), tokenizer,
+                                         max_length=params.tokenize.max_length,
+                                         bf16=use_bf16(params.predict.bf16, device))) if needs_neighbours else None
     report: dict = {"enabled": params.distill.enabled}
     with io.atomic_dir(out_dir) as temp:
         for name, task in tasks.items():

@@ -64,7 +64,7 @@ def build(root: Path, backbone: Path, tokenized: Path) -> Deployed:
            "--predictions-dir", deployed.predictions, "--snapshots-dir", root / "snapshots",
            "--out-dir", deployed.ensemble_dir, "--plots-dir", root / "plots", "--metrics-file", deployed.ensemble_file)
     for variant in VARIANTS:
-        invoke("stages.export", "--variant", variant, "--params-file", params_file, "--tokenized-dir", tokenized,
+        invoke("stages.export", "--model", variant, "--params-file", params_file, "--tokenized-dir", tokenized,
                "--models-dir", deployed.models, "--exports-dir", deployed.exports,
                "--metrics-dir", deployed.export_metrics)
     return deployed

@@ -208,7 +208,7 @@ def test_deploy_bench_writes_every_figure(tmp_path, deployed):
     from bench.deploy import app as deploy_app
 
     out = tmp_path / "deploy.json"
-    result = CliRunner().invoke(deploy_app, ["--variant", "cross", "--params-file", str(deployed.params_file),
+    result = CliRunner().invoke(deploy_app, ["--model", "cross", "--params-file", str(deployed.params_file),
                                              "--models-dir", str(deployed.models), "--exports-dir",
                                              str(deployed.exports), "--tokenized-dir", str(deployed.tokenized),
                                              "--texts-per-task", "8", "--single-calls", "5", "--rounds", "1",

@@ -137,12 +137,19 @@ def test_students_cannot_share_a_name_with_a_variant_nor_follow_an_unknown_one(r
     raw_params["distill"]["students"] = {"base": 0}
     with pytest.raises(ParamsError, match=r"^params: distill.students.base: a student name .* cannot be a variant's"):
         parse_params(raw_params)
-    raw_params["distill"].update(students={"distilled": 0}, variant="nope")
+    raw_params["distill"].update(students={"distilled": 0}, variant="nope", enabled=False)
     parse_params(raw_params)  # off: a stale variant name stops nothing
     raw_params["distill"]["enabled"] = True
-    with pytest.raises(ParamsError, match=r"^params: distill.variant: expected a key of models \(base\), got 'nope'"):
+    with pytest.raises(ParamsError, match=r"^params: distill.variant: expected a key of models \(base, .*\), "
+                                          r"got 'nope'"):
         parse_params(raw_params)
     raw_params["distill"]["variant"] = "base"
+    raw_params["export"]["models"] = ["distilled", "nope"]
+    with pytest.raises(ParamsError, match=r"^params: export.models: expected keys of models or of distill.students "
+                                          r"\(base, .*distilled\), got 'nope'$"):
+        parse_params(raw_params)
+    raw_params["export"]["models"] = ["distilled", "base"]  # a student and a variant
+    parse_params(raw_params)
     raw_params["models"]["seed1"] = {"distill": {"alpha": 1.0}}
     with pytest.raises(ParamsError, match=r"models.seed1: a variant cannot override 'distill'"):
         parse_params(raw_params)
@@ -318,6 +325,11 @@ def test_switched_off_the_stage_writes_outputs_that_say_so_and_stats_leaves_stud
     assert json.loads((tmp_path / "metrics" / "train" / "distilled.json").read_text()) == {"enabled": False}
     assert [p.name for p in (tmp_path / "models" / "distilled").iterdir()] == ["README.md"]
     assert [p.name for p in (tmp_path / "distilled" / "distilled").iterdir()] == ["README.md"]
+    invoke("stages.export", "--model", "distilled", "--params-file", params_file, "--tokenized-dir", tiny_tokenized,
+           "--models-dir", tmp_path / "models", "--exports-dir", tmp_path / "exports",
+           "--metrics-dir", tmp_path / "metrics" / "export")  # export.models names the untrained student
+    assert [p.name for p in (tmp_path / "exports" / "distilled").iterdir()] == ["README.md"]
+    assert json.loads((tmp_path / "metrics" / "export" / "distilled.json").read_text()) == {"enabled": False}
     for name in ("predictions", "metrics/train"):  # the variants' outputs, from the pipeline above
         shutil.copytree(pipeline / name, tmp_path / name, dirs_exist_ok=True)
     invoke("stages.stats", *arguments["stats"])

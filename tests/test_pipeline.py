@@ -133,6 +133,9 @@ def test_the_student_learns_the_transfer_set_the_members_labelled(repo):
     assert student["distill"]["transfer"] == {"sst": 6, "sts": 6, "nli": 4}
     assert set(student) == {*TASK_NAMES, "overall", "distill"}
     assert (repo / "models" / "distilled" / "mtbert.json").is_file()
+    manifest = json.loads((repo / "exports" / "distilled" / "manifest.json").read_text())  # export.models
+    assert set(manifest["tasks"]) == set(TASK_NAMES)
+    assert json.loads((repo / "metrics" / "export" / "distilled.json").read_text())["engine"] in ("onnx", "int8")
 
 
 def card_metadata(path: Path) -> dict:

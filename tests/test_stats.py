@@ -177,8 +177,21 @@ def test_results_rows_show_the_seed_spread_only_where_there_are_seeds():
         return {"variants": [f"s{i}" for i in range(len(values))], "dev": {"sst": {"accuracy": spread},
                 "overall": spread}, "epochs": {"sst": {"mean": 2.0, "std": 0.0, "min": 2, "max": 2}}}
     stats = {"tasks": {"sst": "accuracy"}, "groups": {"one": group([0.5]), "two": group([0.5, 0.6])}}
-    ensemble = {"sst": {"accuracy": 0.55}, "overall": 0.55, "method": "uniform",
+    ensemble = {"sst": {"accuracy": 0.55, "members": {"s0": 1}, "single_best": {"s0": 0.5}}, "overall": 0.55,
+                "method": "uniform",
                 "methods": {"uniform": {"sst": 0.54, "overall": 0.54}}}
     one, two = results_table(stats, ensemble).splitlines()[2:4]
     assert one == "| `one`: 1 seed(s), single model, no seed spread (epochs kept: sst 2) | 0.500 | 0.500 |"
     assert two == "| `two`: 2 seed(s), single model, mean ± std (epochs kept: sst 2) | 0.550 ± 0.071 | 0.550 ± 0.071 |"
+
+
+def test_results_show_the_ensembles_members_together_mean_and_std_over_them():
+    stats = {"tasks": {"sst": "accuracy", "sts": "pearson"}, "groups": {}}
+    ensemble = {"sst": {"accuracy": 0.55, "members": {"a": 2, "b": 1}, "single_best": {"a": 0.5, "b": 0.6}},
+                "sts": {"pearson": 0.85, "members": {"a": 1, "b": 1}, "single_best": {"a": 0.8, "b": 0.9}},
+                "overall": 0.7, "method": "greedy", "methods": {}}
+    row = results_table(stats, ensemble).splitlines()[2]
+    assert row == ("| the ensemble's members (`a`, `b`), mean ± std over the members | 0.550 ± 0.071 | "
+                   "0.850 ± 0.071 | 0.700 ± 0.071 |")  # overall: a 0.65, b 0.75
+    ensemble["sst"]["members"] = ensemble["sts"]["members"] = {"a": 1}
+    assert "members" not in results_table(stats, ensemble)  # one member: nothing to average

@@ -105,7 +105,8 @@ def tokenized_input(tokenized_dir: Path | str, task: str, split: str) -> Path:
     """The path of a tokenized split, which must be there."""
     path = tokenized_path(tokenized_dir, task, split)
     if not path.is_file():
-        raise MissingInputError(f"{path} is missing; run `dvc repro tokenize` first")
+        stage = "transfer" if split == "transfer" else "tokenize"  # the transfer set is the stage `transfer`'s
+        raise MissingInputError(f"{path} is missing; run `dvc repro {stage}` first")
     return path
 
 

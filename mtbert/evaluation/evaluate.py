@@ -1,13 +1,19 @@
-"""Predictions over a whole split, and dev metrics."""
+"""Predictions over a whole split, dev metrics, and the dumps of a trained model (stages predict and distill)."""
 
 from __future__ import annotations
+
+import logging
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from mtbert.data.batches import TaskSplit, eval_batches
+from mtbert.data.batches import TaskSplit, eval_batches, load_split
 from mtbert.evaluation.metrics import overall, task_metrics
+from mtbert.evaluation.predictions import rejected_ids, write_dump, write_submission
 from mtbert.model.multitask import MultitaskModel
+
+log = logging.getLogger(__name__)
 
 
 def predict_split(model: MultitaskModel, split: TaskSplit, batch_size: int, device: torch.device,
@@ -38,3 +44,25 @@ def evaluate(model: MultitaskModel, dev: dict[str, TaskSplit], batch_size: int, 
         results[name] = task_metrics(split.task, predict_split(model, split, batch_size, device, bf16), split.labels)
     results["overall"] = overall(results, {name: split.task for name, split in dev.items()})
     return results
+
+
+def write_predictions(model: MultitaskModel, splits: tuple[str, ...], tokenized_dir: Path, rejects_file: Path,
+                      out_dir: Path, batch_size: int, device: torch.device, bf16: bool,
+                      transfer_dir: Path | None = None) -> dict:
+    """Every task's dumps of the splits into out_dir, with the CS224N files of dev and test; the dev metrics.
+    Split `transfer` is read from transfer_dir, and a task without transfer rows gets no dump of it."""
+    dev_metrics = {}
+    for task in model.tasks.values():
+        for split in splits:
+            data = load_split(transfer_dir if split == "transfer" else tokenized_dir, task, split)
+            if not len(data):
+                continue
+            values = predict_split(model, data, batch_size, device, bf16)
+            write_dump(out_dir, task, split, data.ids, values)
+            if split in ("dev", "test"):  # the grader's files
+                write_submission(out_dir, task, split, data.ids, values, rejected_ids(rejects_file, task.name, split))
+            if split == "dev":
+                dev_metrics[task.name] = task_metrics(task, values, data.labels)
+            log.info("%s-%s: %d predictions", task.name, split, len(data))
+    dev_metrics["overall"] = overall(dev_metrics, model.tasks)
+    return dev_metrics

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from mtbert.data.tasks import Task
@@ -46,7 +47,8 @@ def _cell(spread: dict, seeds: int) -> str:
 
 def results_table(stats: dict, ensemble: dict) -> str:
     """Markdown: per seed group the single models (mean ± std, the epochs kept; a group of distilled students
-    says so), then the ensemble, chosen on dev and its honest split-half estimate, for every method."""
+    says so), the ensemble's members together, then the ensemble, chosen on dev and its honest split-half
+    estimate, for every method."""
     tasks = stats["tasks"]
     header = " | ".join(f"{name} {metric}" for name, metric in tasks.items())
     lines = [f"| model | {header} | overall |", "|---|" + "---|" * (len(tasks) + 1)]
@@ -59,6 +61,9 @@ def results_table(stats: dict, ensemble: dict) -> str:
                  else "single model")
         lines.append(f"| `{group}`: {seeds} seed(s), {model}, {spread} "
                      f"(epochs kept: {epochs}) | {cells} | {_cell(entry['dev']['overall'], seeds)} |")
+    members = members_row(ensemble, list(tasks))
+    if members:
+        lines.append(members)
     cells = " | ".join(f"{ensemble[name][metric]:.3f}" for name, metric in tasks.items())
     lines.append(f"| ensemble `{ensemble['method']}` (default), chosen on dev | {cells} | {ensemble['overall']:.3f} |")
     for method, scores in ensemble["methods"].items():
@@ -66,6 +71,26 @@ def results_table(stats: dict, ensemble: dict) -> str:
         default = " (default)" if method == ensemble["method"] else ""
         lines.append(f"| ensemble `{method}`{default}, honest estimate | {cells} | {scores['overall']:.3f} |")
     return "\n".join(lines) + "\n"
+
+
+def members_row(ensemble: dict, tasks: list[str]) -> str | None:
+    """Markdown: the ensemble's distinct members as models, mean ± std over them of each one's own dev score
+    (their `single_best`); None with fewer than two. The gain that the ensemble and its student must keep is
+    measured from this mean."""
+    names = list(dict.fromkeys(member for task in tasks for member in ensemble[task]["members"]))
+    if len(names) < 2:
+        return None
+    scores = {task: [ensemble[task]["single_best"][name] for name in ensemble[task]["members"]] for task in tasks}
+    overall = [sum(ensemble[task]["single_best"][name] for task in tasks) / len(tasks) for name in names]
+    cells = " | ".join(_spread(scores[task]) for task in tasks)
+    listed = ", ".join(f"`{name}`" for name in names)
+    return f"| the ensemble's members ({listed}), mean ± std over the members | {cells} | {_spread(overall)} |"
+
+
+def _spread(values: list[float]) -> str:
+    array = np.asarray(values, dtype=float)
+    std = float(array.std(ddof=1)) if len(array) > 1 else 0.0
+    return f"{array.mean():.3f} ± {std:.3f}"
 
 
 def comparisons_table(stats: dict) -> str:

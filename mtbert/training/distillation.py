@@ -43,7 +43,8 @@ class TaughtSplit(TaskSplit):
         batch = super().batch(rows, encoding)
         rows = np.asarray(rows, dtype=np.int64)
         batch["teacher"] = torch.from_numpy(self.teacher[rows])
-        batch["gold"] = torch.from_numpy(self.gold[rows])
+        if not self.gold[rows].all():  # decided here, on the host: a batch of training rows needs no device read
+            batch["gold"] = torch.from_numpy(self.gold[rows])
         return batch
 
 
@@ -88,7 +89,7 @@ class Distillation:
         """The batch-mean of each row's loss (an Objective's task loss): a training row's blends the teacher's
         loss and the gold label's, a transfer row's is transfer_weight x the teacher's."""
         kind, head = model.tasks[task].kind, model.head_params[task]
-        gold = batch.get("gold")
+        gold = batch.get("gold")  # only in a batch with transfer rows
         if gold is None or bool(gold.all()):
             return self.blend(kind, head, outputs, batch["teacher"], batch["labels"])
         share = gold.float().mean()  # each part's mean, weighted by its share of the batch's rows
