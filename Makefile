@@ -1,11 +1,12 @@
 # `make repro`: install, pull the data and run the pipeline.  `make test`: install and run the tests.
+# `make check`: lint and the fast tests only (those not marked slow), the loop to run after each edit.
 # Both create .venv on first use; later runs reuse it and reinstall only when pyproject.toml changes.
 PYTHON ?= python3
 VENV := .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: install repro test lint results
+.PHONY: install repro test check lint results
 
 install: $(VENV)/.installed
 
@@ -24,6 +25,9 @@ lint: install
 
 test: lint
 	pytest
+
+check: lint
+	pytest -m "not slow"
 
 results: install  # rewrite the README's results block from metrics/stats.json and metrics/ensemble.json
 	python -m mtbert.evaluation.report
