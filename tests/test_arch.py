@@ -208,6 +208,7 @@ def trainer(tmp_path: Path, backbone: Path, tokenized: Path, **overrides):
     return prepared(params, paths)
 
 
+@pytest.mark.slow(reason="trains every architecture")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_arch_trains_with_smart_the_teacher_and_a_bi_encoder(arch, tmp_path, tiny_backbone, tiny_tokenized):
     run = trainer(tmp_path, tiny_backbone, tiny_tokenized, model={"arch": arch, "task_layers": 1},
@@ -219,6 +220,7 @@ def test_every_arch_trains_with_smart_the_teacher_and_a_bi_encoder(arch, tmp_pat
     assert set(summary["epochs"][0]["regularisers"]) >= {"sst/smart_loss", "sts/delta_ratio", "qqp/bregman_loss"}
 
 
+@pytest.mark.slow(reason="trains with PCGrad's per-task backward passes")
 def test_pcgrad_trains_joint_steps_with_gradient_accumulation(tmp_path, tiny_backbone, tiny_tokenized):
     def final_heads(name: str, gradient: str) -> dict[str, torch.Tensor]:
         run = trainer(tmp_path / name, tiny_backbone, tiny_tokenized, model={"arch": "cerbertus", "task_layers": 1},

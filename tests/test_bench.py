@@ -68,6 +68,7 @@ def test_a_child_process_reports_its_own_peak_memory_not_its_parents():
     assert 0 < float(child.stdout) < 0.25, child.stdout
 
 
+@pytest.mark.slow(reason="the whole benchmark suite, a training child process included")
 def test_suite_writes_every_figure(tmp_path, tiny_backbone, tiny_tokenized):
     raw = write_raw_files(tmp_path / "raw", synthetic_raw_files(16))
     params = make_params(tmp_path, tiny_backbone, raw, heads={"sts": {"encoding": "bi", "combine": "cosine"}})
@@ -203,6 +204,7 @@ def test_pretrain_attention_probe_times_both_implementations(tmp_path, tiny_back
     assert figures["eager_speedup_over_sdpa"] > 0
 
 
+@pytest.mark.slow(reason="cold starts of real processes and a load test of the server")
 def test_deploy_bench_writes_every_figure(tmp_path, deployed):
     """Figure 8 on the small exported variant: every engine, the cold starts and the bounded load test."""
     from bench.deploy import app as deploy_app

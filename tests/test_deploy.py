@@ -61,6 +61,7 @@ def test_the_onnx_ensemble_equals_the_ensembles_dumps(deployed, task):
     assert np.abs(values - expected).max() <= TOLERANCE
 
 
+@pytest.mark.slow(reason="real `mtbert predict` processes")
 def test_cleaning_and_truncation_are_the_pytorch_engines(deployed):
     """Raw text the dev splits do not have: PTB escapes (undone for SST only), surrounding whitespace, and
     texts and pairs far over tokenize.max_length (32 here: pairs are cut longest-first)."""
@@ -152,6 +153,7 @@ def test_an_engine_the_export_lacks_is_refused_in_one_line(deployed):
     assert resolve_engine("auto", {**manifest, "default_engine": "onnx"}, tasks, "m.json") == "onnx"
 
 
+@pytest.mark.slow(reason="a real `mtbert export` process")
 def test_the_export_command_writes_an_export_that_predicts_like_the_stages(deployed, tmp_path):
     out = tmp_path / "exported"
     result = run_mtbert("export", "--model", deployed.models / "cross", "--out", out, "--no-int8",
@@ -243,6 +245,7 @@ def assert_same_output(onnx: list[dict], pytorch: list[dict]) -> None:
                     assert value == slow[key][column] and type(value) is type(slow[key][column])
 
 
+@pytest.mark.slow(reason="real `mtbert predict` processes")
 def test_the_command_on_exports_gives_the_pytorch_commands_output(deployed, tmp_path):
     """The export's command as a process of its own (torch-free, as deployed); the PyTorch engine's command in
     this process (tests/commands.py)."""

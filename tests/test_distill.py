@@ -212,6 +212,7 @@ def pipeline(tmp_path_factory, tiny_backbone, tiny_tokenized) -> Path:
     return root
 
 
+@pytest.mark.slow(reason="trains two variants and two students (the `pipeline` fixture)")
 def test_predict_dumps_the_training_split_for_the_teacher(pipeline, tiny_tokenized):
     ids = load_split(tiny_tokenized, TASKS["qqp"], "train").ids.tolist()
     for variant in ("base", "seed1"):
@@ -220,6 +221,7 @@ def test_predict_dumps_the_training_split_for_the_teacher(pipeline, tiny_tokeniz
         assert not (pipeline / "predictions" / variant / "para-train-output.csv").exists()
 
 
+@pytest.mark.slow(reason="trains two variants and two students (the `pipeline` fixture)")
 def test_predict_dumps_the_transfer_set_and_the_teacher_is_the_members_average_of_it(pipeline, tiny_tokenized):
     from mtbert.evaluation.evaluate import predict_split
     from mtbert.evaluation.teacher import transfer_teacher
@@ -241,6 +243,7 @@ class Crash(Exception):
     pass
 
 
+@pytest.mark.slow(reason="trains the student twice, one run crashed")
 def test_a_resumed_student_equals_an_uninterrupted_one(pipeline, tiny_backbone, tiny_tokenized, monkeypatch):
     from mtbert.training import finetune
     from tests.conftest import saved_heads
@@ -271,6 +274,7 @@ def test_a_resumed_student_equals_an_uninterrupted_one(pipeline, tiny_backbone, 
     assert metrics[0] == metrics[1]
 
 
+@pytest.mark.slow(reason="trains two variants and two students (the `pipeline` fixture)")
 def test_the_student_is_a_model_folder_with_its_card_and_dumps(pipeline, tiny_tokenized):
     from mtbert.evaluation.evaluate import predict_split
     from mtbert.evaluation.predictions import read_dump
@@ -303,6 +307,7 @@ def test_the_student_is_a_model_folder_with_its_card_and_dumps(pipeline, tiny_to
     assert not (pipeline / "ck" / "distilled").exists()  # the run is complete
 
 
+@pytest.mark.slow(reason="trains two variants and two students (the `pipeline` fixture)")
 def test_the_students_form_a_seed_group_in_stats_and_the_results_table(pipeline):
     from mtbert.evaluation.report import results_table
 
@@ -315,6 +320,7 @@ def test_the_students_form_a_seed_group_in_stats_and_the_results_table(pipeline)
     assert "2 seed(s), student of the ensemble (configuration of `base`), mean ± std" in row
 
 
+@pytest.mark.slow(reason="trains two variants and two students (the `pipeline` fixture)")
 def test_switched_off_the_stage_writes_outputs_that_say_so_and_stats_leaves_students_out(tmp_path, tiny_backbone,
                                                                                         tiny_tokenized, pipeline):
     params_file = make_params(tmp_path, tiny_backbone, Path("unused"),

@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 from mtbert.training.distributed import Ranks, shard
 from tests.conftest import REPO_ROOT, TASKS, kill_once_checkpointed, make_params
 
+pytestmark = pytest.mark.slow(reason="torchrun with two processes against one")
+
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_shards_are_disjoint_and_cover_the_global_batch(world_size):

@@ -53,6 +53,7 @@ def test_every_error_of_the_user_is_a_user_error():
     assert issubclass(MissingInputError, FileNotFoundError)  # callers that caught the old error still do
 
 
+@pytest.mark.slow(reason="real stage processes")
 def test_a_params_typo_is_one_line_naming_the_key(tmp_path, tiny_backbone, raw_dir):
     params_file = make_params(tmp_path, tiny_backbone, raw_dir, train={"lrr": 1.0e-4})
     result = run_stage("tokenize", *tokenize_args(tmp_path, params_file))
@@ -66,6 +67,7 @@ def test_a_params_typo_is_one_line_naming_the_key(tmp_path, tiny_backbone, raw_d
     assert not any(line.startswith("error:") for line in debug.stderr.splitlines())
 
 
+@pytest.mark.slow(reason="real stage processes")
 def test_a_params_yaml_syntax_error_is_one_line_naming_line_and_column(tmp_path):
     params_file = tmp_path / "params.yaml"
     params_file.write_text("train:\n  lr: 1\n   epochs: 2\n")
@@ -73,6 +75,7 @@ def test_a_params_yaml_syntax_error_is_one_line_naming_line_and_column(tmp_path)
     assert line == f"error: {params_file}: not valid YAML at line 3, column 10: mapping values are not allowed here"
 
 
+@pytest.mark.slow(reason="real stage processes")
 def test_a_raw_file_that_is_not_utf8_is_one_line_naming_the_file(tmp_path, tiny_backbone):
     raw = write_raw_files(tmp_path / "raw", {
         "ids-sst-dev.csv": b"\tid\tsentence\tsentiment\n0\tsd1\tfine\t1\n1\tsd2\tcaf\xe9\t2\n"})
@@ -81,6 +84,7 @@ def test_a_raw_file_that_is_not_utf8_is_one_line_naming_the_file(tmp_path, tiny_
     assert line.startswith(f"error: {raw / 'ids-sst-dev.csv'}: not valid UTF-8 at line 3"), line
 
 
+@pytest.mark.slow(reason="real stage processes")
 def test_a_missing_backbone_is_one_line_naming_it(tmp_path, raw_dir):
     not_a_model = tmp_path / "not-a-model"
     not_a_model.mkdir()
@@ -106,6 +110,7 @@ def foreign_model(models_dir: Path, config_text: str) -> Path:
     return folder
 
 
+@pytest.mark.slow(reason="real stage processes")
 def test_an_empty_model_folder_is_one_line_naming_the_path(tmp_path, tiny_backbone, raw_dir):
     params_file = make_params(tmp_path, tiny_backbone, raw_dir)
     (tmp_path / "models" / "base").mkdir(parents=True)
@@ -123,6 +128,7 @@ HEADS = as_dict(load_params(REPO_ROOT / "params.yaml").heads)  # in full, as a m
      "declares no tasks (a model folder from an older mtbert, before tasks were params? retrain it)"),
     ("{not json", "not an mtbert model config (expected JSON with a 'params' section, as `train` writes)"),
 ])
+@pytest.mark.slow(reason="real stage processes")
 def test_a_foreign_model_folder_is_one_line_naming_the_path(tmp_path, tiny_backbone, raw_dir, config_text, says):
     params_file = make_params(tmp_path, tiny_backbone, raw_dir)
     folder = foreign_model(tmp_path / "models", config_text)
@@ -132,6 +138,7 @@ def test_a_foreign_model_folder_is_one_line_naming_the_path(tmp_path, tiny_backb
     assert not (tmp_path / "predictions").exists()
 
 
+@pytest.mark.slow(reason="real stage processes")
 def test_a_missing_stage_input_is_one_line_naming_the_file(tmp_path, tiny_backbone, raw_dir):
     params_file = make_params(tmp_path, tiny_backbone, raw_dir)
     (tmp_path / "tok").mkdir()

@@ -32,6 +32,8 @@ from tests.conftest import REPO_ROOT, make_params
 from tests.runs import kill_when, result_of, run_training, train_command
 from tests.test_errors import one_line_error, run_stage, tokenize_args
 
+pytestmark = pytest.mark.slow(reason="runs killed, resumed and broken as real processes")
+
 
 @pytest.fixture(scope="module")
 def training_params(tmp_path_factory, tiny_backbone) -> Path:

@@ -22,6 +22,8 @@ import yaml
 from tests.commands import mtbert_in_process
 from tests.conftest import REPO_ROOT, make_params, synthetic_raw_files, write_raw_files
 
+pytestmark = pytest.mark.slow(reason="a real `dvc repro` and `dvc exp run` of the pipeline in a temporary repository")
+
 
 def dvc(repo: Path, *args: str) -> str:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}

@@ -138,6 +138,7 @@ def finished_run(tmp_path_factory, tiny_backbone, tiny_tokenized):
     return root, summary, attention
 
 
+@pytest.mark.slow(reason="a finished masked-LM run (the `finished_run` fixture)")
 def test_short_run_lowers_held_out_perplexity_and_writes_a_loadable_encoder(finished_run, tiny_backbone):
     from transformers import AutoModel
 
@@ -156,6 +157,7 @@ def test_short_run_lowers_held_out_perplexity_and_writes_a_loadable_encoder(fini
     assert not (root / "ck").exists()
 
 
+@pytest.mark.slow(reason="pretrains twice, one run crashed")
 def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, finished_run, tiny_backbone, tiny_tokenized):
     root, summary, _ = finished_run
     params = load_params(pretrain_params(tmp_path, tiny_backbone))
@@ -175,6 +177,7 @@ def pretrain_command(params: Path, root: Path, tokenized: Path) -> list[str]:
             "--live-dir", str(root / "live"), "--checkpoints-dir", str(root / "ck")]
 
 
+@pytest.mark.slow(reason="pretrains twice, one run killed with SIGKILL")
 def test_pretrain_killed_with_kill_9_resumes_to_the_uninterrupted_result(tmp_path, finished_run, tiny_backbone,
                                                                          tiny_tokenized):
     root, summary, _ = finished_run
@@ -196,6 +199,7 @@ def test_whole_word_run_trains(tmp_path, tiny_backbone, tiny_tokenized):
     assert summary["after"]["loss"] < summary["before"]["loss"]
 
 
+@pytest.mark.slow(reason="a finished masked-LM run (the `finished_run` fixture)")
 def test_pretraining_keeps_the_fused_attention_kernel_in_both_modes(finished_run):
     # unlike fine-tuning on a CPU (mtbert/model/architectures.py `attention_for`): eager attention measured
     # slower for masked-LM steps, so pretraining never switches

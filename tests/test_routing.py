@@ -83,6 +83,7 @@ def test_routing_sizes_get_defaults_and_belong_to_routing_heads_only():
         HeadParams(pooling="routing", routing_vectors=1)
 
 
+@pytest.mark.slow(reason="trains routing heads")
 def test_routing_heads_train_save_and_reload_bit_for_bit(tmp_path, tiny_backbone, tiny_tokenized):
     """SST routed by a cross-encoder, QQP by a bi-encoder (features), STS by a cosine bi-encoder; the static
     arch routes the two encoders' token vectors side by side."""

@@ -26,6 +26,7 @@ def uninterrupted(tmp_path_factory, training_params, tiny_tokenized) -> dict:
     return run_training(training_params, tiny_tokenized, tmp_path_factory.mktemp("run_a"))
 
 
+@pytest.mark.slow(reason="trains twice")
 def test_same_params_and_seed_give_identical_metrics(tmp_path, training_params, tiny_tokenized, uninterrupted):
     again = run_training(training_params, tiny_tokenized, tmp_path)
     assert again == uninterrupted
@@ -33,6 +34,7 @@ def test_same_params_and_seed_give_identical_metrics(tmp_path, training_params, 
     assert sum(uninterrupted["summary"]["epochs"][0]["task_batches"].values()) == 12
 
 
+@pytest.mark.slow(reason="trains twice, one run killed with SIGKILL")
 def test_resume_after_kill_9_equals_an_uninterrupted_run(tmp_path, training_params, tiny_tokenized,
                                                          uninterrupted):
     command = train_command(training_params, tmp_path, tiny_tokenized)
@@ -44,6 +46,7 @@ def test_resume_after_kill_9_equals_an_uninterrupted_run(tmp_path, training_para
     assert not (tmp_path / "ck" / "base").exists()  # removed once the run is complete
 
 
+@pytest.mark.slow(reason="a real process that imports transformers")
 def test_model_folder_reloads_with_transformers(tmp_path, training_params, tiny_tokenized, uninterrupted):
     from transformers import AutoModel, AutoTokenizer
     run = tmp_path / "reload"
@@ -130,6 +133,7 @@ def assert_saved_model_reproduces_its_dumps(root: Path, tokenized: Path, batch_s
     return config
 
 
+@pytest.mark.slow(reason="trains twice, one run crashed")
 def test_smart_and_teacher_resume_after_a_crash_like_an_uninterrupted_run(tmp_path, tiny_backbone, tiny_tokenized,
                                                                           monkeypatch):
     params_file = make_params(tmp_path, tiny_backbone, Path("unused"), heads={"sts": {"encoding": "bi"}},
@@ -146,6 +150,7 @@ def test_smart_and_teacher_resume_after_a_crash_like_an_uninterrupted_run(tmp_pa
     assert saved_heads(tmp_path / "a" / "model") == saved_heads(tmp_path / "b" / "model")
 
 
+@pytest.mark.slow(reason="several epochs of training")
 def test_each_task_keeps_its_best_epoch_and_the_saved_model_reproduces_its_predictions(tmp_path, tiny_backbone,
                                                                                       tiny_tokenized):
     params_file = make_params(tmp_path, tiny_backbone, Path("unused"), train={"epochs": 3, "lr": 3e-4,
@@ -166,6 +171,7 @@ def test_each_task_keeps_its_best_epoch_and_the_saved_model_reproduces_its_predi
     assert config["task_epochs"] == summary["task_epochs"]
 
 
+@pytest.mark.slow(reason="trains twice, one run crashed")
 def test_the_moving_average_is_the_model_kept_and_resumes_like_an_uninterrupted_run(tmp_path, tiny_backbone,
                                                                                     tiny_tokenized, monkeypatch):
     params = variant_params(make_params(tmp_path, tiny_backbone, Path("unused"),
@@ -205,6 +211,7 @@ def smart_ema_params(tmp_path_factory, tiny_backbone) -> Path:
                               "mode": "adversarial", "radius": 0.1})
 
 
+@pytest.mark.slow(reason="trains twice, one run killed with SIGKILL")
 def test_smart_and_moving_average_resume_after_kill_9_like_an_uninterrupted_run(tmp_path, smart_ema_params,
                                                                                tiny_tokenized):
     uninterrupted = run_training(smart_ema_params, tiny_tokenized, tmp_path / "a")
@@ -220,6 +227,7 @@ def test_smart_and_moving_average_resume_after_kill_9_like_an_uninterrupted_run(
         "qqp-dev.parquet", "sst-dev.parquet", "sts-dev.parquet"]
 
 
+@pytest.mark.slow(reason="trains twice, one run crashed")
 def test_round_robin_smallest_trains_every_task_the_smallest_tasks_batches_and_resumes(tmp_path, tiny_backbone,
                                                                                       tiny_tokenized, monkeypatch):
     # SST cut to 8 rows: 2 batches of 4 per epoch for every task (QQP and STS have 4), 6 steps per epoch
