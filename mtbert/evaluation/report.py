@@ -75,8 +75,7 @@ def results_table(stats: dict, ensemble: dict) -> str:
 
 def members_row(ensemble: dict, tasks: list[str]) -> str | None:
     """Markdown: the ensemble's distinct members as models, mean ± std over them of each one's own dev score
-    (their `single_best`); None with fewer than two. The gain that the ensemble and its student must keep is
-    measured from this mean."""
+    (their `single_best`); None with fewer than two."""
     names = list(dict.fromkeys(member for task in tasks for member in ensemble[task]["members"]))
     if len(names) < 2:
         return None
