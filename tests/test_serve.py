@@ -21,6 +21,8 @@ from tests.conftest import REPO_ROOT
 
 LIMITS = {"max_texts": 4, "max_chars": 200, "max_body_bytes": 2000}
 STARTUP_SECONDS = 300  # generous: a loaded machine (the other test workers) slows the start
+# the supervisor starts two spawned workers, each importing the engine and loading the export
+TWO_WORKERS_ARE_SLOW = pytest.mark.slow(reason="two server worker processes")
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +130,7 @@ def test_unknown_paths_and_methods_are_refused_in_json(server):
     assert wrong.status_code == 405 and wrong.json()["error"].startswith("method not allowed: GET /predict")
 
 
+@TWO_WORKERS_ARE_SLOW
 def test_several_workers_serve_the_same_results(deployed, tmp_path):
     process, url = start_server(tmp_path / "stderr.log", "--model", deployed.exports / "bi", "--workers", "2",
                                 "--threads", "1", timeout=STARTUP_SECONDS)
@@ -221,7 +224,7 @@ def send_until_stopped(url: str, stop: threading.Event, outcomes: list, text: st
                 return  # the server is gone: a real client would go elsewhere
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=TWO_WORKERS_ARE_SLOW)])
 def test_sigterm_under_load_answers_every_request_sent_before_it_and_exits_0(deployed, tmp_path, workers):
     log = tmp_path / "stderr.log"
     process, url = start_server(log, "--model", deployed.exports / "bi", "--engine", "onnx", "--threads", "1",
@@ -290,7 +293,7 @@ def counted(url: str) -> dict[tuple[str, str], float]:
             if s.name == "mtbert_requests_total"}
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=TWO_WORKERS_ARE_SLOW)])
 def test_metrics_count_every_request_of_every_worker(deployed, tmp_path, workers):
     process, url = start_server(tmp_path / "stderr.log", "--model", deployed.exports / "bi", "--engine", "onnx",
                                 "--threads", "1", "--workers", str(workers), timeout=STARTUP_SECONDS)
