@@ -287,7 +287,9 @@ def main(name: str = typer.Option("", "--model", help="a name in export.models (
     from mtbert.params import load_params
 
     params = load_params(params_file)
-    name = name or params.export.models[0]
+    name = name or next(iter(params.export.models), "")
+    if not name:
+        raise typer.BadParameter("export.models is empty: name the model with --model")
     threads = params.runtime.threads
     with tempfile.TemporaryDirectory() as scratch:
         figures = deploy_figures(models_dir / name, exports_dir / name, tokenized_dir, threads=threads,
