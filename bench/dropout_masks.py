@@ -1,23 +1,15 @@
-"""Would dropout masks drawn on two threads pay? PyTorch's masks against masks drawn in two halves at once.
+"""Dropout masks: PyTorch's against mtbert's cheaper ones (mtbert/model/dropout.py), in real training steps.
 
     python -m bench.dropout_masks [--steps 24] [--json-out FILE]
 
-PyTorch draws a dropout mask (`bernoulli_` with a scalar p) with MKL's parallel generator on Intel CPUs
-only. On any other vendor it draws the mask element by element from one mt19937 stream, on one core, while
-the other cores wait (`bernoulli_scalar_kernel` in aten/src/ATen/native/cpu/DistributionKernels.cpp). This
-probe measures what drawing each mask in two halves at once would save: this thread draws one half and a
-worker thread the other, each from its own generator seeded from torch's global one, so the masks still
-follow the run's seed, its checkpoints and SMART's replay of the RNG.
+PyTorch draws a CPU dropout mask with `bernoulli_`: two 32-bit draws of one mt19937 stream per element, on
+one core. mtbert's masks take two elements' draws from one 32-bit word, from the same generator. This probe
+times one mask of an FFN activation's size (32 x 40 tokens by 1536) both ways, then training steps of the
+`train` stage's run (bench/smart_step.py `scratch_run`), alternating block by block over the same batches
+between (a) the stage as it runs (mtbert's masks) and (b) the same run as it ran with PyTorch's masks: the
+dropout modules call `F.dropout`, and the encoders run transformers' eager attention, which calls it too.
 
-- Masks alone: one mask of an FFN activation's size (32 x 40 tokens by 1536), PyTorch's against two halves.
-- Training steps: the `train` stage's run (bench/smart_step.py `scratch_run`), alternating block by block
-  over the same batches between (a) the stage as it runs (on a CPU, eager attention: the encoder's own,
-  mtbert/model/architectures.py `attention_for`), (b) the same with two-half masks (eager attention draws its
-  attention-probability masks through `F.dropout`, which (b) replaces, as it does nn.Dropout's), and (c) PyTorch's
-  fused attention (`sdpa`), which on a CPU trains through its unfused math path (its CPU kernel has no
-  dropout): what (a) gains over it.
-
-Two-half masks differ from PyTorch's, so adopting them would change every result (three paired seeds).
+The two arms draw different masks, so their results differ (three paired seeds decide that, not this probe).
 Needs data/tokenized (`dvc repro tokenize`). Not part of `python -m bench`.
 """
 
@@ -28,7 +20,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -38,6 +29,7 @@ import typer
 from bench.smart_step import alternate_blocks, scratch_run, timed_steps
 from bench.suite import cpu_name
 from mtbert import io
+from mtbert.model import dropout
 from mtbert.model.architectures import attention_implementation
 from mtbert.params import variant_params
 from mtbert.runtime import setup_logging
@@ -48,70 +40,17 @@ FFN_ACTIVATION = (32 * 40, 1536)  # a default batch's mean padded tokens by the 
 BERT_DROPOUT = 0.1  # the backbone's hidden and attention-probability dropout
 
 
-class TwoHalfMasks:
-    """Dropout masks drawn in two halves at once, this thread's and a worker's, each half from its own
-    generator seeded by one draw from torch's global generator."""
-
-    def __init__(self) -> None:
-        self.worker = ThreadPoolExecutor(1)
-        self.generators = (torch.Generator(), torch.Generator())
-
-    def mask(self, shape: torch.Size | tuple[int, ...], keep: float) -> torch.Tensor:
-        mask = torch.empty(shape, dtype=torch.bool)
-        seed = int(torch.randint(0, 2**62, ()))
-        halves = mask.view(-1).chunk(2)
-        later = None
-        if len(halves) == 2:  # bernoulli_ releases the GIL: the worker draws its half while this thread draws
-            later = self.worker.submit(halves[1].bernoulli_, keep, generator=self.generators[1].manual_seed(seed + 1))
-        if halves:
-            halves[0].bernoulli_(keep, generator=self.generators[0].manual_seed(seed))
-        if later is not None:
-            later.result()
-        return mask
-
-    def dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True,
-                inplace: bool = False) -> torch.Tensor:
-        """`F.dropout`'s signature and result distribution, with this object's masks (`inplace` is ignored)."""
-        if not training or p == 0.0:
-            return input
-        if p == 1.0:
-            return input * 0.0
-        return MaskedDropout.apply(input, self.mask(input.shape, 1.0 - p), 1.0 / (1.0 - p))
-
-
-class MaskedDropout(torch.autograd.Function):
-    """x * mask * scale, saving only the boolean mask for the backward pass (as PyTorch's own dropout does)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.save_for_backward(mask)
-        ctx.scale = scale
-        return torch.ops.aten.native_dropout_backward(x, mask, scale)  # that kernel computes x * mask * scale
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (mask,) = ctx.saved_tensors
-        return torch.ops.aten.native_dropout_backward(grad, mask, ctx.scale), None, None
-
-
 @contextlib.contextmanager
-def dropout_function(function: Callable) -> Iterator[None]:
-    """`torch.nn.functional.dropout` replaced by `function` (nn.Dropout and eager attention call it)."""
-    original = F.dropout
-    F.dropout = function
+def pytorch_masks(model: torch.nn.Module) -> Iterator[None]:
+    """The model as it ran before mtbert's masks: its dropout modules call `F.dropout`, and its encoders run
+    transformers' own eager attention, which calls `F.dropout` too."""
+    cheap = dropout.drop
+    dropout.drop = lambda x, p, training: F.dropout(x, p, training)
     try:
-        yield
+        with attention_implementation(model, "eager"):
+            yield
     finally:
-        F.dropout = original
-
-
-def mkl_draws_masks() -> bool:
-    """Whether PyTorch draws dropout masks with MKL's parallel generator here (Intel CPUs only)."""
-    try:
-        intel = "GenuineIntel" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return intel and torch.backends.mkl.is_available()
+        dropout.drop = cheap
 
 
 def mask_milliseconds(draw: Callable[[], torch.Tensor], repeats: int) -> float:
@@ -120,14 +59,6 @@ def mask_milliseconds(draw: Callable[[], torch.Tensor], repeats: int) -> float:
     for _ in range(repeats):
         draw()
     return (time.perf_counter() - started) / repeats * 1e3
-
-
-def arms(run, progress, masks: TwoHalfMasks) -> dict[str, Callable[[list], list[float]]]:
-    """Each arm: the steps of a block of batches, timed inside its setting of the model."""
-    settings = {"stage": contextlib.nullcontext,
-                "stage, two-half masks": lambda: dropout_function(masks.dropout),
-                "fused attention (sdpa)": lambda: attention_implementation(run.model, "sdpa")}
-    return {name: timed_in(setting, run, progress) for name, setting in settings.items()}
 
 
 def timed_in(setting: Callable[[], contextlib.AbstractContextManager], run, progress) -> Callable[[list], list[float]]:
@@ -148,33 +79,33 @@ def main(steps: int = typer.Option(24, help="timed training steps per arm"),
          json_out: Path = typer.Option(None, help="also write the figures here")) -> None:
     setup_logging("WARNING")
     params = variant_params(params_file, variant)
-    masks = TwoHalfMasks()
-    keep = 1.0 - BERT_DROPOUT
-    mask_ms = {"pytorch": mask_milliseconds(lambda: torch.empty(FFN_ACTIVATION).bernoulli_(keep), mask_repeats),
-               "two halves": mask_milliseconds(lambda: masks.mask(FFN_ACTIVATION, keep), mask_repeats)}
+    activation = torch.empty(FFN_ACTIVATION, dtype=torch.bfloat16)
+    mask_ms = {"pytorch": mask_milliseconds(lambda: F.dropout(activation, BERT_DROPOUT), mask_repeats),
+               "mtbert": mask_milliseconds(lambda: dropout.drop(activation, BERT_DROPOUT, True), mask_repeats)}
     with tempfile.TemporaryDirectory() as scratch:
         run, progress = scratch_run(params, variant, tokenized_dir, Path(scratch))
         run.model.train()
-        times = alternate_blocks(arms(run, progress, masks), schedule(run, 0)[: block + steps], block)
+        arms = {"stage (mtbert's masks)": timed_in(contextlib.nullcontext, run, progress),
+                "pytorch's masks": timed_in(lambda: pytorch_masks(run.model), run, progress)}
+        times = alternate_blocks(arms, schedule(run, 0)[: block + steps], block)
     report(mask_ms, times, run.bf16, json_out)
 
 
 def report(mask_ms: dict[str, float], times: dict[str, list[float]], bf16: bool, json_out: Path | None) -> None:
-    stage = sum(times["stage"])
+    pytorch = sum(times["pytorch's masks"])
     figures = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "bf16": bf16,
-               "mkl_draws_masks": mkl_draws_masks(),
-               "mask_milliseconds": {name: round(ms, 3) for name, ms in mask_ms.items()},
-               "mask_speedup": round(mask_ms["pytorch"] / mask_ms["two halves"], 3),
-               "timed_steps": len(times["stage"]),
+               "dropout_milliseconds": {name: round(ms, 3) for name, ms in mask_ms.items()},
+               "dropout_speedup": round(mask_ms["pytorch"] / mask_ms["mtbert"], 3),
+               "timed_steps": len(times["pytorch's masks"]),
                "steps": {name: {"mean_step_seconds": round(statistics.fmean(t), 4),
-                                "speedup_over_stage": round(stage / sum(t), 3)} for name, t in times.items()}}
-    print(f"{figures['cpu']}, {figures['threads']} threads, bf16 {bf16}; PyTorch draws masks with MKL's "
-          f"parallel generator: {figures['mkl_draws_masks']}")
-    print(f"one {FFN_ACTIVATION[0]}x{FFN_ACTIVATION[1]} mask: PyTorch {mask_ms['pytorch']:.2f} ms, two halves "
-          f"{mask_ms['two halves']:.2f} ms ({figures['mask_speedup']:.2f}x)")
+                                "speedup_over_pytorch_masks": round(pytorch / sum(t), 3)}
+                         for name, t in times.items()}}
+    print(f"{figures['cpu']}, {figures['threads']} threads, bf16 {bf16}")
+    print(f"dropout of one {FFN_ACTIVATION[0]}x{FFN_ACTIVATION[1]} bf16 activation: "
+          f"PyTorch {mask_ms['pytorch']:.2f} ms, mtbert {mask_ms['mtbert']:.2f} ms ({figures['dropout_speedup']:.2f}x)")
     for name, entry in figures["steps"].items():
-        print(f"  {name:32s} {entry['mean_step_seconds']:.3f} s/step  {entry['speedup_over_stage']:.3f}x the stage's "
-              f"speed (same {figures['timed_steps']} batches)")
+        print(f"  {name:24s} {entry['mean_step_seconds']:.3f} s/step  {entry['speedup_over_pytorch_masks']:.3f}x "
+              f"PyTorch's masks' speed (same {figures['timed_steps']} batches)")
     if json_out is not None:
         io.write_json(json_out, figures)  # atomic, parent folders made
 

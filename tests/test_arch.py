@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mtbert.model.architectures import ARCHS, TaskEncoders
+from mtbert.model.dropout import EAGER_ATTENTION
 from mtbert.model.multitask import MultitaskModel
 from mtbert.model.saved import ModelFolderError, load_model, save_model
 from mtbert.params import load_params, variant_params
@@ -275,29 +276,31 @@ def attention_implementations(model) -> set[str]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_cpu_trains_with_eager_attention_and_evaluates_with_the_fused_kernel(params, encoder, batches, arch):
+def test_a_cpu_trains_with_mtberts_eager_attention_and_evaluates_with_the_fused_kernel(params, encoder, batches, arch):
     model = MultitaskModel(encoder, TASKS, params.heads, arch, 1)
     model.train()
-    expected = {"eager", "sdpa"} if arch == "static" else {"eager"}  # the frozen copy never trains
+    expected = {EAGER_ATTENTION, "sdpa"} if arch == "static" else {EAGER_ATTENTION}  # the frozen copy never trains
     assert attention_implementations(model) == expected
     model.eval()
     assert attention_implementations(model) == {"sdpa"}
 
 
-def test_eager_training_attention_draws_the_fused_paths_dropout_masks(params, encoder, batches):
+def test_training_attention_differs_from_the_fused_kernel_only_by_its_dropout_masks(params, encoder, batches):
     model = MultitaskModel(encoder, TASKS, params.heads, "cerbertus", 1).train()
+    torch.manual_seed(0)
+    with_dropout = {task: model(task, batch) for task, batch in batches.items()}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0  # the attention's dropout too: BERT passes its dropout module's p
     outputs_by_attention = {}
-    for implementation in ("eager", "sdpa"):
+    for implementation in (EAGER_ATTENTION, "sdpa"):
         for tower in model.encoders.distinct_encoders():
             tower.set_attn_implementation(implementation)
-        torch.manual_seed(0)
         outputs_by_attention[implementation] = {task: model(task, batch) for task, batch in batches.items()}
-    torch.manual_seed(1)
-    other_masks = {task: model(task, batch) for task, batch in batches.items()}
-    for task in batches:  # the same masks: only float rounding apart; other masks are far apart
-        torch.testing.assert_close(outputs_by_attention["eager"][task], outputs_by_attention["sdpa"][task],
+    for task in batches:  # without masks only float rounding apart; with them far apart
+        torch.testing.assert_close(outputs_by_attention[EAGER_ATTENTION][task], outputs_by_attention["sdpa"][task],
                                    rtol=1e-5, atol=1e-5)
-        assert (other_masks[task] - outputs_by_attention["sdpa"][task]).abs().max() > 1e-3
+        assert (with_dropout[task] - outputs_by_attention["sdpa"][task]).abs().max() > 1e-3
 
 
 def test_without_attention_dropout_training_keeps_the_fused_kernel(params, dropout_free_backbone, batches):

@@ -140,39 +140,6 @@ def test_profile_groups_a_steps_operators_into_categories(tmp_path, tiny_backbon
     assert "an epoch end's evaluation" in result.output
 
 
-def test_two_half_masks_follow_torchs_seed_and_keep_the_rate():
-    import torch
-
-    from bench.dropout_masks import TwoHalfMasks
-
-    masks = TwoHalfMasks()
-    torch.manual_seed(0)
-    first = masks.mask((400, 500), 0.9)
-    torch.manual_seed(0)
-    again = masks.mask((400, 500), 0.9)
-    assert first.dtype == torch.bool and torch.equal(first, again)  # the run's seed decides the masks
-    assert abs(first.float().mean().item() - 0.9) < 0.005
-    one_half, other_half = first.view(-1).chunk(2)
-    assert not torch.equal(one_half, other_half)  # each half its own stream
-    assert masks.mask((1,), 0.5).shape == (1,) and masks.mask((0, 3), 0.5).shape == (0, 3)
-
-
-def test_two_half_dropout_scales_the_kept_values_and_their_gradient():
-    import torch
-
-    from bench.dropout_masks import TwoHalfMasks
-
-    masks = TwoHalfMasks()
-    x = torch.randn(6, 7, requires_grad=True)
-    torch.manual_seed(1)
-    y = masks.dropout(x, 0.25)
-    y.backward(torch.ones_like(y))
-    torch.manual_seed(1)
-    mask = masks.mask((6, 7), 0.75)
-    assert torch.allclose(y, x.detach() * mask / 0.75) and torch.allclose(x.grad, mask / 0.75)
-    assert masks.dropout(x, 0.25, training=False) is x and masks.dropout(x, 0.0) is x
-
-
 def test_dropout_probe_times_every_arm(tmp_path, tiny_backbone, tiny_tokenized):
     from bench.dropout_masks import app as probe_app
 
@@ -183,10 +150,27 @@ def test_dropout_probe_times_every_arm(tmp_path, tiny_backbone, tiny_tokenized):
                                             "--json-out", str(out)])
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
-    assert set(figures["steps"]) == {"stage", "stage, two-half masks", "fused attention (sdpa)"}
-    assert figures["timed_steps"] == 2 and figures["steps"]["stage"]["speedup_over_stage"] == 1.0
+    assert set(figures["steps"]) == {"stage (mtbert's masks)", "pytorch's masks"}
+    assert figures["timed_steps"] == 2 and figures["steps"]["pytorch's masks"]["speedup_over_pytorch_masks"] == 1.0
     assert all(entry["mean_step_seconds"] > 0 for entry in figures["steps"].values())
-    assert figures["mask_speedup"] > 0 and isinstance(figures["mkl_draws_masks"], bool)
+    assert figures["dropout_speedup"] > 0
+
+
+def test_the_probes_pytorch_arm_draws_pytorchs_masks_and_restores_mtberts():
+    import torch
+    import torch.nn.functional as F
+
+    from bench.dropout_masks import pytorch_masks
+    from mtbert.model import dropout
+
+    cheap = dropout.drop
+    model = torch.nn.Sequential(dropout.Dropout(0.5))
+    x = torch.ones(200)
+    with pytorch_masks(model):
+        torch.manual_seed(0)
+        inside = model(x)
+    torch.manual_seed(0)
+    assert torch.equal(inside, F.dropout(x, 0.5)) and dropout.drop is cheap
 
 
 def test_pretrain_attention_probe_times_both_implementations(tmp_path, tiny_backbone, tiny_tokenized):

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from torch import nn
 
+from mtbert.model.dropout import EAGER_ATTENTION
+
 ARCHS = ("shared", "cerbertus", "independent", "shared+independent", "static")
 SHARED_DIR = "encoder"
 
@@ -43,12 +45,12 @@ def replicate_top(encoder: nn.Module, task_layers: int) -> nn.Module:
 def attention_for(encoder: nn.Module) -> str:
     """The attention implementation for the encoder's mode and device. PyTorch's fused attention (`sdpa`)
     has no CPU kernel with dropout: a CPU encoder training with attention dropout would run sdpa's unfused
-    math path, which is slower than the encoder's own attention (`eager`). Both compute the same operations
-    and draw the same dropout masks in the same order; only float rounding differs. Everything else
-    (evaluation, prediction, training on a GPU) keeps the fused kernels."""
+    math path, which is slower than the encoder's own eager attention. That one runs instead, with
+    mtbert/model/dropout.py's cheaper masks (`mtbert-eager`). Everything else (evaluation, prediction,
+    training on a GPU) keeps the fused kernels."""
     on_cpu = next(encoder.parameters()).device.type == "cpu"
     dropout = getattr(encoder.config, "attention_probs_dropout_prob", 0.0) > 0  # a BERT-family config
-    return "eager" if encoder.training and on_cpu and dropout else "sdpa"
+    return EAGER_ATTENTION if encoder.training and on_cpu and dropout else "sdpa"
 
 
 def match_attention_to_mode(encoder: nn.Module) -> None:

@@ -119,11 +119,13 @@ def load_encoder(name: str, **kwargs):
     files are checked (mtbert/model/files.py)."""
     from transformers import AutoModel
 
+    from mtbert.model.dropout import use_cheap_masks
+
     source = resolve_backbone(name)
     if Path(source).is_dir():
-        return load_local_encoder(Path(source), attn_implementation="sdpa", **kwargs)
+        return use_cheap_masks(load_local_encoder(Path(source), attn_implementation="sdpa", **kwargs))
     try:
-        return AutoModel.from_pretrained(source, attn_implementation="sdpa", **kwargs)
+        return use_cheap_masks(AutoModel.from_pretrained(source, attn_implementation="sdpa", **kwargs))
     except (OSError, ValueError) as error:
         raise not_found_error(name, error) from error
 
@@ -135,6 +137,8 @@ def load_masked_lm(name: str):
     the word embeddings, as in BERT; the encoder weights are the backbone's either way.
     """
     from transformers import AutoModelForMaskedLM
+
+    from mtbert.model.dropout import use_cheap_masks
 
     source = resolve_backbone(name)
     if Path(source).is_dir():
@@ -150,7 +154,7 @@ def load_masked_lm(name: str):
     if fresh_encoder:
         raise BackboneError(f"backbone {name!r} lacks encoder weights the masked-LM model needs: "
                             f"{', '.join(sorted(fresh_encoder)[:5])}")
-    return model, not fresh_head
+    return use_cheap_masks(model), not fresh_head
 
 
 def starting_point(backbone: str, pretrained: Path | None) -> str:

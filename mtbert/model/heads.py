@@ -7,15 +7,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtbert.model.dropout import Dropout
+
 
 class MLPHead(nn.Module):
     """Dropout, then N x (Linear, GELU, Dropout), then the output Linear."""
 
     def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, hidden_layers: int, dropout: float):
         super().__init__()
-        layers: list[nn.Module] = [nn.Dropout(dropout)]
+        layers: list[nn.Module] = [Dropout(dropout)]
         for i in range(hidden_layers):
-            layers += [nn.Linear(in_dim if i == 0 else hidden_dim, hidden_dim), nn.GELU(), nn.Dropout(dropout)]
+            layers += [nn.Linear(in_dim if i == 0 else hidden_dim, hidden_dim), nn.GELU(), Dropout(dropout)]
         layers.append(nn.Linear(hidden_dim if hidden_layers else in_dim, out_dim))
         self.net = nn.Sequential(*layers)
 
