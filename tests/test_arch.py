@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from mtbert.model.architectures import ARCHS, TaskEncoders
+from mtbert.model.architectures import ARCHS, TaskEncoders, attention_for
 from mtbert.model.dropout import EAGER_ATTENTION
 from mtbert.model.multitask import MultitaskModel
 from mtbert.model.saved import ModelFolderError, load_model, save_model
@@ -283,6 +283,13 @@ def test_a_cpu_trains_with_mtberts_eager_attention_and_evaluates_with_the_fused_
     assert attention_implementations(model) == expected
     model.eval()
     assert attention_implementations(model) == {"sdpa"}
+
+
+def test_an_encoder_without_registered_attention_functions_trains_with_its_own(encoder):
+    encoder.train()
+    assert attention_for(encoder) == EAGER_ATTENTION
+    encoder._supports_attention_backend = False  # as transformers marks a model that takes none
+    assert attention_for(encoder) == "eager" and attention_for(encoder.eval()) == "sdpa"
 
 
 def test_training_attention_differs_from_the_fused_kernel_only_by_its_dropout_masks(params, encoder, batches):

@@ -47,6 +47,8 @@ def test_drop_scales_the_kept_values_and_their_gradient():
     assert torch.allclose(y, x.detach() * mask * scale) and torch.allclose(x.grad, mask * scale)
     assert drop(x, 0.25, training=False) is x and drop(x, 0.0, training=True) is x
     assert torch.equal(drop(x, 1.0, training=True), torch.zeros_like(x))
+    torch.manual_seed(2)  # p rounds to 1, where 1 / (1 - p) has no value: PyTorch's dropout instead
+    assert torch.equal(drop(x, 1 - 2**-17, training=True), torch.zeros_like(x))
 
 
 def test_cheap_masks_replace_every_plain_dropout_module_and_keep_the_state():

@@ -46,11 +46,13 @@ def attention_for(encoder: nn.Module) -> str:
     """The attention implementation for the encoder's mode and device. PyTorch's fused attention (`sdpa`)
     has no CPU kernel with dropout: a CPU encoder training with attention dropout would run sdpa's unfused
     math path, which is slower than the encoder's own eager attention. That one runs instead, with
-    mtbert/model/dropout.py's cheaper masks (`mtbert-eager`). Everything else (evaluation, prediction,
-    training on a GPU) keeps the fused kernels."""
+    mtbert/model/dropout.py's cheaper masks (`mtbert-eager`) where the encoder takes a registered attention
+    function. Everything else (evaluation, prediction, training on a GPU) keeps the fused kernels."""
     on_cpu = next(encoder.parameters()).device.type == "cpu"
     dropout = getattr(encoder.config, "attention_probs_dropout_prob", 0.0) > 0  # a BERT-family config
-    return EAGER_ATTENTION if encoder.training and on_cpu and dropout else "sdpa"
+    if not (encoder.training and on_cpu and dropout):
+        return "sdpa"
+    return EAGER_ATTENTION if getattr(encoder, "_supports_attention_backend", False) else "eager"
 
 
 def match_attention_to_mode(encoder: nn.Module) -> None:

@@ -12,7 +12,9 @@ PyTorch's own dropout runs (on a GPU it is one fused kernel already).
 
 Where it runs: every `nn.Dropout` of an encoder loaded by mtbert/model/backbone.py (`use_cheap_masks`),
 the task heads' dropout, and the attention probabilities' dropout, through the attention function
-registered here as `mtbert-eager` (the encoder's own eager attention, with these masks).
+registered here as `mtbert-eager` (the encoder's own eager attention, with these masks). A backbone whose
+attention takes no registered function (`_supports_attention_backend`) keeps its own eager attention,
+with PyTorch's masks there.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def drop(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """`F.dropout` with `keep_mask`'s masks on a CPU; PyTorch's own elsewhere."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu" or p == 1.0:
+    if x.device.type != "cpu" or round(p * LEVELS) == LEVELS:  # p within 2^-16 of 1 drops everything
         return F.dropout(x, p, training)
     return MaskedScale.apply(x, keep_mask(x.shape, p), kept_scale(p))
 
