@@ -34,7 +34,8 @@ from mtbert.data.rawdata import clean_text
 from mtbert.data.tasks import Task
 from mtbert.data.tokenization import encode_rows
 from mtbert.evaluation.evaluate import predict_split
-from mtbert.inputs import InputError, MemberEnsemble, Text, check_texts
+from mtbert.evaluation.members import MemberEnsemble
+from mtbert.inputs import InputError, Text, check_texts
 from mtbert.model.architectures import SHARED_DIR
 from mtbert.model.backbone import load_tokenizer
 from mtbert.model.saved import epoch_dir, load_model

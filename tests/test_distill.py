@@ -111,7 +111,7 @@ def test_the_teacher_is_the_ensembles_average_in_its_order(tmp_path):
     assert teacher_ids.tolist() == ids.tolist()
     assert np.allclose(values[:, :2], [[0.6, 0.4], [0.5, 0.5]])  # a weighs twice
     ensemble_file.write_text(json.dumps(ensemble_report({"sst": ["a", "b@epoch-1"]})))
-    with pytest.raises(UserError, match=r"member b@epoch-1 of task sst is an epoch snapshot"):
+    with pytest.raises(UserError, match=r"member b@epoch-1 is an epoch snapshot"):
         ensemble_teacher(ensemble_file, tmp_path / "predictions", tasks)
     ensemble_file.write_text(json.dumps(ensemble_report({"sst": ["c"]})))
     with pytest.raises(MissingInputError, match=r"c/sst-train.parquet is missing: `predict` dumps the training "

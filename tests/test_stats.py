@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from mtbert import io
+from mtbert.evaluation.candidates import candidates, require_test_snapshots
 from mtbert.evaluation.ensemble import every_method, method_name, select
 from mtbert.evaluation.predictions import write_dump
 from mtbert.evaluation.report import results_block, results_table, splice
@@ -16,7 +17,6 @@ from mtbert.evaluation.seeds import compare_groups, group_statistics, seed_group
 from mtbert.params import EnsembleParams
 from mtbert.runtime import MissingInputError
 from mtbert.training.selection import chosen_epochs, chosen_metrics
-from stages.ensemble import candidates, require_test_snapshots
 from tests.conftest import REPO_ROOT, TASKS
 
 SST, QQP, STS = TASKS["sst"], TASKS["qqp"], TASKS["sts"]

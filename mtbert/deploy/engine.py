@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mtbert.inputs import InputError, MemberEnsemble, Text, check_texts, clean
+from mtbert.evaluation.members import MemberEnsemble
+from mtbert.inputs import InputError, Text, check_texts, clean
 from mtbert.integrity import MANIFEST_FILE, verify
 from mtbert.runtime import UserError
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mtbert.deploy.engine import OnnxEnsemblePredictor, OnnxPredictor, is_export
-from mtbert.inputs import ensemble_members
+from mtbert.evaluation.members import read_members
 from mtbert.runtime import UserError
 
 ENGINE_CHOICES = ("auto", "onnx", "int8", "torch")
@@ -35,7 +35,7 @@ def load_predictor(*, model: Path | None, ensemble: Path | None, models_dir: Pat
 
 
 def member_folders(ensemble: Path, models_dir: Path) -> list[Path]:
-    members = ensemble_members(ensemble)
+    members = read_members(ensemble)
     return [models_dir / name for name in sorted({name for order in members.values() for name in order})]
 
 

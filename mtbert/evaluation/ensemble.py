@@ -16,7 +16,8 @@ import hashlib
 import numpy as np
 
 from mtbert.data.tasks import Task
-from mtbert.evaluation.metrics import headline
+from mtbert.evaluation.members import average
+from mtbert.evaluation.metrics import headline, task_metrics
 from mtbert.params import EnsembleParams
 
 
@@ -27,10 +28,6 @@ class Selection:
 
     def counts(self) -> dict[str, int]:
         return {name: self.members.count(name) for name in dict.fromkeys(self.members)}
-
-
-def average(predictions: dict[str, np.ndarray], members: list[str]) -> np.ndarray:
-    return np.mean([predictions[name] for name in members], axis=0)
 
 
 def criterion(task: Task, values: np.ndarray, labels: np.ndarray, kind: str) -> float:
@@ -106,3 +103,29 @@ def every_method(options: EnsembleParams) -> list[EnsembleParams]:
     methods = [("uniform", "metric"), ("greedy", "metric"), ("greedy", "smooth")]
     return [dataclasses.replace(options, method=method, criterion=kind, snapshots=snapshots)
             for snapshots in (False, True) for method, kind in methods]
+
+
+@dataclasses.dataclass
+class TaskEnsemble:
+    """One task's ensemble as the `ensemble` stage writes it."""
+    report: dict  # the task's section of metrics/ensemble.json
+    dev_values: np.ndarray  # the average on dev, in the dev dumps' row order
+    test_values: np.ndarray  # the same members' average on test, in the test candidates' row order
+    methods: dict[str, float]  # every compared method's honest estimate (method_name -> score)
+
+
+def ensemble_task(task: Task, dev: dict[bool, dict[str, np.ndarray]], labels: np.ndarray, dev_ids: np.ndarray,
+                  test: dict[str, np.ndarray], options: EnsembleParams) -> TaskEnsemble:
+    """Choose the task's members on dev by `options`, average them on dev and test, and estimate every
+    method honestly. `dev[snapshots]`: the candidates' dev predictions without and with snapshots; `test`:
+    the candidates' test predictions (with snapshots as `options` says)."""
+    methods = {method_name(method): honest_estimate(task, dev[method.snapshots], labels, dev_ids, method)["score"]
+               for method in every_method(options)}
+    candidates = dev[options.snapshots]
+    selection = select(task, candidates, labels, options)
+    dev_values = average(candidates, selection.members)
+    report = {**task_metrics(task, dev_values, labels), "members": selection.counts(),
+              "order": selection.members,  # the average's summation order, to redo it exactly
+              "single_best": {name: headline(task, dev[False][name], labels) for name in sorted(dev[False])},
+              "honest": honest_estimate(task, candidates, labels, dev_ids, options)}  # with its halves
+    return TaskEnsemble(report, dev_values, average(test, selection.members), methods)

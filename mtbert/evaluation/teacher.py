@@ -10,34 +10,24 @@ training rows and their labels, and on the transfer set (stage `transfer`), whic
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from mtbert.data.batches import TaskSplit, load_split
 from mtbert.data.tasks import Task
-from mtbert.evaluation.ensemble import average
+from mtbert.evaluation.members import average, read_members
 from mtbert.evaluation.predictions import dump_path, read_aligned, read_dump
 from mtbert.runtime import MissingInputError, UserError
 
 
 def ensemble_members(ensemble_file: Path, tasks: dict[str, Task]) -> dict[str, list[str]]:
-    """Per task, the ensemble's members in the order it averaged them, repeats included."""
-    if not ensemble_file.is_file():
-        raise MissingInputError(f"{ensemble_file} is missing; run `dvc repro ensemble`")
-    report = json.loads(ensemble_file.read_text(encoding="utf-8"))
-    members = {}
-    for name in tasks:
-        order = report.get(name, {}).get("order") if isinstance(report.get(name), dict) else None
-        if not order:
-            raise UserError(f"{ensemble_file}: no `order` of members for task {name!r}; run `dvc repro ensemble`")
-        snapshots = [member for member in order if "@" in member]
-        if snapshots:
-            raise UserError(f"{ensemble_file}: member {snapshots[0]} of task {name} is an epoch snapshot, which has "
-                            "no training-split dump; distil an ensemble of ensemble.snapshots: false")
-        members[name] = list(order)
-    return members
+    """Per task, the ensemble's members in the order it averaged them, repeats included; every task needs some."""
+    members = read_members(ensemble_file)
+    missing = [name for name in tasks if name not in members]
+    if missing:
+        raise UserError(f"{ensemble_file}: no `order` of members for task {missing[0]!r}; run `dvc repro ensemble`")
+    return {name: members[name] for name in tasks}
 
 
 def training_predictions(predictions_dir: Path, task: Task, order: list[str]) -> tuple[np.ndarray, np.ndarray]:
