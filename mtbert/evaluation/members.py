@@ -26,6 +26,8 @@ def read_members(path: Path | str) -> dict[str, list[str]]:
     twice weighs twice). Epoch snapshots are refused: neither their model nor their training-split and
     transfer dumps are kept."""
     path = Path(path)
+    if not path.is_file():
+        raise EnsembleFileError(f"{path} is missing; run `dvc repro ensemble`")
     expected = (f"{path}: expected the ensemble stage's metrics/ensemble.json with each task's `order` of "
                 "members (run `dvc repro ensemble`)")
     try:
