@@ -2,8 +2,8 @@
 
     python -m bench.smart_step [--steps 40]
 
-Both objectives drive the `train` stage's own run (stages/train.py `setup`, then
-mtbert/training/finetune.py's `step` and `update`) on the default variant: the same model, the same
+Both objectives drive the `train` stage's own run (mtbert/training/finetune.py's `start`, then its
+`step` and `update`) on the default variant: the same model, the same
 real batches (the first steps of its first epoch), a step being forward, backward and the optimiser
 update. They alternate in blocks, so drift in the machine's speed hits both alike. Needs data/tokenized
 (`dvc repro tokenize`).
@@ -24,10 +24,10 @@ import typer
 from mtbert import io
 from mtbert.params import SmartParams, variant_params
 from mtbert.runtime import setup_logging
+from mtbert.training import finetune
 from mtbert.training.finetune import FineTuning, Progress, schedule, step, update
 from mtbert.training.loop import Paths
 from mtbert.training.objective import Objective
-from stages.train import setup
 
 TARGETS = {"smart": 2.5, "random": 2.0}  # step time over plain: SMART (K ascent steps) and random mode
 app = typer.Typer(add_completion=False)
@@ -66,7 +66,7 @@ def scratch_run(params, variant: str, tokenized_dir: Path, scratch: Path) -> tup
     `scratch`."""
     paths = Paths(tokenized=tokenized_dir, model_out=scratch / "model", metrics_out=scratch / "metrics.json",
                   live_dir=scratch / "live", checkpoints=scratch / "checkpoints")
-    return setup(params, variant, paths)
+    return finetune.start(params, variant, paths)
 
 
 def alternate_blocks(arms: dict[str, Callable[[list], list[float]]], batches: list,

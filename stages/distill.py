@@ -32,10 +32,10 @@ from mtbert.evaluation.teacher import ensemble_members, ensemble_teacher, transf
 from mtbert.model.card import CARD_FILE, student_card
 from mtbert.model.saved import CONFIG_FILE, load_model, write_checksums
 from mtbert.params import Params, load_params, require_student, student_params
-from mtbert.runtime import limit_memory_growth, run_app, setup_logging, use_bf16
+from mtbert.runtime import run_app, setup_logging, use_bf16
 from mtbert.training import finetune
 from mtbert.training.distillation import Distillation
-from mtbert.training.distributed import relaunch_with_torchrun, setup_process, shutdown, under_torchrun
+from mtbert.training.distributed import relaunch_with_torchrun, under_torchrun
 from mtbert.training.loop import Paths
 
 log = logging.getLogger("distill")
@@ -61,18 +61,6 @@ def skip(outputs: Outputs, student: str) -> None:
             (temp / CARD_FILE).write_text(note, encoding="utf-8")
     for path in (outputs.metrics, outputs.summary):
         io.write_metrics(path, {"enabled": False})
-
-
-def distil(params: Params, student: str, paths: Paths, distillation: Distillation) -> tuple[finetune.FineTuning, dict]:
-    """Train the student from its last checkpoint (or the start) to the end, as `train` trains a variant."""
-    limit_memory_growth(params.runtime.onednn_cache, params.runtime.malloc_threshold_mb)
-    ranks, device = setup_process(params.train.seed, params.runtime.threads)
-    fingerprint = distillation.fingerprint(finetune.run_fingerprint(params, paths.tokenized, paths.pretrained,
-                                                                    ranks.world_size))
-    run = finetune.prepare(params, student, paths, ranks, device, fingerprint, distillation)
-    summary = finetune.train(run, finetune.resume(run))
-    shutdown(ranks)
-    return run, summary
 
 
 def describe_student(model_dir: Path, summary: dict, params: Params, record: dict) -> None:
@@ -117,7 +105,7 @@ def main(student: str = typer.Option(..., "--student", help="a key of distill.st
     paths = Paths(tokenized=tokenized_dir, model_out=outputs.model, metrics_out=outputs.summary,
                   live_dir=checkpoints_dir / student / "live", checkpoints=checkpoints_dir / student,
                   pretrained=pretrained_dir)  # no snapshot dumps: a student is no ensemble candidate
-    run, summary = distil(own, student, paths, distillation)
+    run, summary = finetune.fine_tune(own, student, paths, distillation)
     if not run.ranks.is_main:
         return
     members = ensemble_members(ensemble_file, tasks)

@@ -1,11 +1,12 @@
 """Stage `train@<variant>`: multitask fine-tuning of one variant, keeping each task's best dev epoch.
 
-The loop is mtbert/training/finetune.py; this stage sets up the process (memory caps, torchrun's process
-group, the seed), fingerprints the run, and hands over. Resume: a checkpoint (model, optimiser, scheduler,
-RNG, sampler position, history) is written every runtime.checkpoint_every.train optimiser steps and at
-every epoch end to checkpoints/<variant>/; a killed run started again continues from it and ends as an
-uninterrupted run would. The folder is not a DVC output, so `dvc repro` does not wipe it; it is removed
-when the run finishes.
+The loop is mtbert/training/finetune.py: `fine_tune` sets up the process (memory caps, torchrun's
+process group, the seed), fingerprints, prepares and resumes the run, and trains it; this stage reads its
+options and params and hands over. Resume: a checkpoint (model, optimiser, scheduler, RNG, sampler
+position, history) is written every runtime.checkpoint_every.train optimiser steps and at every epoch end
+to checkpoints/<variant>/; a killed run started again continues from it and ends as an uninterrupted run
+would. The folder is not a DVC output, so `dvc repro` does not wipe it; it is removed when the run
+finishes.
 """
 
 from __future__ import annotations
@@ -16,32 +17,14 @@ from pathlib import Path
 
 import typer
 
-from mtbert.params import Params, variant_params
-from mtbert.runtime import limit_memory_growth, run_app, setup_logging
+from mtbert.params import variant_params
+from mtbert.runtime import run_app, setup_logging
 from mtbert.training import finetune
-from mtbert.training.distributed import relaunch_with_torchrun, setup_process, shutdown, under_torchrun
+from mtbert.training.distributed import relaunch_with_torchrun, under_torchrun
 from mtbert.training.loop import Paths
 
 log = logging.getLogger("train")
 app = typer.Typer(add_completion=False)
-
-
-def setup(params: Params, variant: str, paths: Paths) -> tuple[finetune.FineTuning, finetune.Progress]:
-    """This process set up (memory caps, torchrun's process group, the seed), then the variant's run
-    prepared and resumed from its last checkpoint if this very run (the fingerprint) wrote one."""
-    limit_memory_growth(params.runtime.onednn_cache, params.runtime.malloc_threshold_mb)
-    ranks, device = setup_process(params.train.seed, params.runtime.threads)
-    fingerprint = finetune.run_fingerprint(params, paths.tokenized, paths.pretrained, ranks.world_size)
-    run = finetune.prepare(params, variant, paths, ranks, device, fingerprint)
-    return run, finetune.resume(run)
-
-
-def fine_tune(params: Params, variant: str, paths: Paths) -> dict:
-    """Train the variant from its last checkpoint (or the start) to the end."""
-    run, progress = setup(params, variant, paths)
-    summary = finetune.train(run, progress)
-    shutdown(run.ranks)
-    return summary
 
 
 @app.command()
@@ -61,7 +44,7 @@ def main(variant: str = typer.Option(..., "--variant", help="a key of `models:` 
                   metrics_out=metrics_dir / f"{variant}.json", live_dir=metrics_dir / variant,
                   checkpoints=checkpoints_dir / variant, pretrained=pretrained_dir,
                   snapshots=snapshots_dir / variant)
-    summary = fine_tune(params, variant, paths)
+    _, summary = finetune.fine_tune(params, variant, paths)
     log.info("done: epochs kept %s, dev overall %.4f", summary["task_epochs"], summary["dev"]["overall"])
 
 

@@ -18,7 +18,6 @@ import yaml
 from mtbert.params import Params
 from mtbert.training import finetune
 from mtbert.training.loop import Paths
-from stages.train import setup
 from tests.conftest import REPO_ROOT, saved_heads
 
 
@@ -33,7 +32,12 @@ class Run:
 
 
 def prepared(params: Params, paths: Paths, variant: str = "base") -> Run:
-    return Run(*setup(params, variant, paths))
+    return Run(*finetune.start(params, variant, paths))
+
+
+def train_summary(params: Params, variant: str, paths: Paths) -> dict:
+    """The `train` stage's training of `variant` in this process, to the end: its summary."""
+    return finetune.fine_tune(params, variant, paths)[1]
 
 
 # --- the stage as a subprocess ----------------------------------------------------------------------------

@@ -17,10 +17,9 @@ from mtbert.params import load_params, variant_params
 from mtbert.training import distributed
 from mtbert.training.loop import Paths
 from stages.pretrain import pretrain
-from stages.train import fine_tune
 from tests.conftest import REPO_ROOT, TASKS, attention_runs, kill_once_checkpointed, make_params, recorded_forwards
 from tests.deployed import invoke
-from tests.runs import result_of, run_training, train_command
+from tests.runs import result_of, run_training, train_command, train_summary
 from tests.test_distributed import norm, weights, weights_of_backbone
 from tests.test_pretrain import paths_in, pretrain_params
 
@@ -47,7 +46,7 @@ def train_in_process(out: Path, backbone: Path, tokenized: Path, **train) -> tup
     params = make_params(out, backbone, Path("unused"), heads={task: {"dropout": 0.0} for task in TASKS},
                          train={"epochs": 1, **train})
     with linear_outputs() as seen:
-        summary = fine_tune(variant_params(params, "base"), "base", stage_paths(out, tokenized))
+        summary = train_summary(variant_params(params, "base"), "base", stage_paths(out, tokenized))
     return summary, seen
 
 

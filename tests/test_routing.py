@@ -8,8 +8,8 @@ import torch
 
 from mtbert.model.heads import RoutedHead, VectorRouting
 from mtbert.params import HeadParams, ParamsError, as_dict, check_heads, load_params, variant_params
-from stages.train import fine_tune
 from tests.conftest import REPO_ROOT, make_params
+from tests.runs import train_summary
 from tests.test_train import assert_saved_model_reproduces_its_dumps, run_paths
 
 
@@ -92,7 +92,7 @@ def test_routing_heads_train_save_and_reload_bit_for_bit(tmp_path, tiny_backbone
         "sst": {"pooling": "routing", "routing_vectors": 2, "routing_dim": 16},
         "qqp": {"pooling": "routing", "encoding": "bi", "combine": "features"},
         "sts": {"pooling": "routing", "encoding": "bi", "combine": "cosine"}}), "base")
-    summary = fine_tune(params, "base", run_paths(tmp_path, tiny_tokenized))
+    summary = train_summary(params, "base", run_paths(tmp_path, tiny_tokenized))
     assert all(torch.isfinite(torch.tensor(loss)) for loss in summary["epochs"][0]["train_loss"].values())
     config = assert_saved_model_reproduces_its_dumps(tmp_path, tiny_tokenized, params.train.eval_batch_size)
     assert config["params"]["heads"]["sst"]["routing_dim"] == 16

@@ -11,9 +11,8 @@ import torch
 from mtbert.params import variant_params
 from mtbert.training import finetune
 from mtbert.training.loop import Paths, TrainingError
-from stages.train import fine_tune
 from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params, saved_heads
-from tests.runs import prepared, result_of, run_training, train_command
+from tests.runs import prepared, result_of, run_training, train_command, train_summary
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +84,7 @@ def test_bf16_autocast_trains_on_cpu(tmp_path, tiny_backbone, tiny_tokenized):
     params_file = make_params(tmp_path, tiny_backbone, Path("unused"), train={"bf16": True, "epochs": 1})
     paths = Paths(tokenized=tiny_tokenized, model_out=tmp_path / "m", metrics_out=tmp_path / "m.json",
                   live_dir=tmp_path / "live", checkpoints=tmp_path / "ck")
-    summary = fine_tune(variant_params(params_file, "base"), "base", paths)
+    summary = train_summary(variant_params(params_file, "base"), "base", paths)
     assert all(np.isfinite(loss) for loss in summary["epochs"][0]["train_loss"].values())
     assert -1.0 <= summary["dev"]["sts"]["pearson"] <= 1.0
 
@@ -98,7 +97,7 @@ def run_paths(root: Path, tokenized: Path) -> Paths:
 def uninterrupted_and_resumed(params, tokenized: Path, tmp_path: Path, monkeypatch) -> tuple[dict, dict]:
     """Summaries (less `speed`) of a run in tmp_path/a and of one in tmp_path/b that crashed after update 5
     (past the checkpoint at update 3, mid-epoch) and was started again."""
-    uninterrupted = fine_tune(params, "base", run_paths(tmp_path / "a", tokenized))
+    uninterrupted = train_summary(params, "base", run_paths(tmp_path / "a", tokenized))
     real_update = finetune.update
 
     def update_then_crash(run, progress):
@@ -109,8 +108,8 @@ def uninterrupted_and_resumed(params, tokenized: Path, tmp_path: Path, monkeypat
     with monkeypatch.context() as patch:
         patch.setattr(finetune, "update", update_then_crash)
         with pytest.raises(KeyboardInterrupt):
-            fine_tune(params, "base", run_paths(tmp_path / "b", tokenized))
-    resumed = fine_tune(params, "base", run_paths(tmp_path / "b", tokenized))
+            train_summary(params, "base", run_paths(tmp_path / "b", tokenized))
+    resumed = train_summary(params, "base", run_paths(tmp_path / "b", tokenized))
     for summary in (uninterrupted, resumed):
         summary.pop("speed")
     return uninterrupted, resumed
@@ -158,7 +157,7 @@ def test_each_task_keeps_its_best_epoch_and_the_saved_model_reproduces_its_predi
     params = variant_params(params_file, "base")
     for leftover in (tmp_path / "ck" / "snapshots" / "epoch-7", tmp_path / "ck" / "epochs" / "epoch-7"):
         leftover.mkdir(parents=True)  # as a killed run with other params would leave them
-    summary = fine_tune(params, "base", run_paths(tmp_path, tiny_tokenized))
+    summary = train_summary(params, "base", run_paths(tmp_path, tiny_tokenized))
     for task, epoch in summary["task_epochs"].items():  # the epoch of the task's best dev headline
         scores = [record["dev"][task][params.tasks[task].metric] for record in summary["epochs"]]
         assert epoch == scores.index(max(scores)) + 1

@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from mtbert.data.batches import bucketed_batches
+from mtbert.rng import TASK_ORDER, generator
 
 
 class TaskStream:
@@ -72,7 +73,7 @@ def epoch_schedule(sampler: str, batches_per_pass: dict[str, int], sizes: dict[s
     """The tasks of every step of one epoch; each step is one task, or every task for `joint`."""
     tasks = list(batches_per_pass)
     steps = sum(batches_per_pass.values())
-    rng = np.random.default_rng([seed, 7919, epoch])
+    rng = generator(seed, TASK_ORDER, epoch)
     if sampler == "round_robin":
         return [(tasks[i % len(tasks)],) for i in range(steps)]
     if sampler == "round_robin_smallest":  # each TaskStream keeps its place across epochs: new rows each epoch

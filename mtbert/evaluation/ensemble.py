@@ -119,13 +119,14 @@ def ensemble_task(task: Task, dev: dict[bool, dict[str, np.ndarray]], labels: np
     """Choose the task's members on dev by `options`, average them on dev and test, and estimate every
     method honestly. `dev[snapshots]`: the candidates' dev predictions without and with snapshots; `test`:
     the candidates' test predictions (with snapshots as `options` says)."""
-    methods = {method_name(method): honest_estimate(task, dev[method.snapshots], labels, dev_ids, method)["score"]
-               for method in every_method(options)}
+    estimates = {method_name(method): honest_estimate(task, dev[method.snapshots], labels, dev_ids, method)
+                 for method in every_method(options)}
     candidates = dev[options.snapshots]
     selection = select(task, candidates, labels, options)
     dev_values = average(candidates, selection.members)
     report = {**task_metrics(task, dev_values, labels), "members": selection.counts(),
               "order": selection.members,  # the average's summation order, to redo it exactly
               "single_best": {name: headline(task, dev[False][name], labels) for name in sorted(dev[False])},
-              "honest": honest_estimate(task, candidates, labels, dev_ids, options)}  # with its halves
+              "honest": estimates[method_name(options)]}  # with its halves
+    methods = {name: estimate["score"] for name, estimate in estimates.items()}
     return TaskEnsemble(report, dev_values, average(test, selection.members), methods)

@@ -115,8 +115,9 @@ def load_tokenizer(name: str, **kwargs):
 
 def load_encoder(name: str, **kwargs):
     """The bare encoder (no task head) with PyTorch's fused scaled-dot-product attention (training on a CPU
-    switches to the encoder's own: mtbert/model/architectures.py `attention_for`); from a local folder, its
-    files are checked (mtbert/model/files.py)."""
+    switches to the encoder's own: mtbert/model/architectures.py `attention_for`) and mtbert's cheaper CPU
+    dropout masks (mtbert/model/dropout.py); from a local folder, its files are checked
+    (mtbert/model/files.py)."""
     from transformers import AutoModel
 
     from mtbert.model.dropout import use_cheap_masks

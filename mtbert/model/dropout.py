@@ -2,7 +2,7 @@
 
 PyTorch draws a CPU dropout mask with `bernoulli_`: two 32-bit draws per element from one mt19937
 stream, on one core, while the other cores wait. Here one 32-bit draw makes the masks of two elements
-(15 random bits each), and the comparison and the multiply run on every core. The masks still come from
+(16 and 15 of its random bits), and the comparison and the multiply run on every core. The masks still come from
 torch's global generator, in the order the forward pass needs them, so a seed, a resumed checkpoint
 and SMART's replay of the RNG (mtbert/training/smart.py `RngReplay`) hold as with PyTorch's.
 
@@ -38,15 +38,21 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float) -> torch.Tensor:
     """
     count = torch.Size(shape).numel()
     words = torch.empty((count + 1) // 2, dtype=torch.int32).random_()
-    dropped = round(p * LEVELS)
-    low = (words & 0xFFFF) >= 2 * dropped
-    high = words >= dropped << 16  # compares bits 16-30 alone, as bits 0-15 are below 2^16
-    return torch.cat([low, high])[:count].view(shape)
+    dropped = dropped_levels(p)
+    mask = torch.empty(2 * len(words), dtype=torch.bool)
+    torch.ge(words & 0xFFFF, 2 * dropped, out=mask[:len(words)])
+    torch.ge(words, dropped << 16, out=mask[len(words):])  # bits 16-30 alone, as bits 0-15 are below 2^16
+    return mask[:count].view(shape)
+
+
+def dropped_levels(p: float) -> int:
+    """p in units of 2^-15, rounded: how many of a draw's 2^15 levels drop the element."""
+    return round(p * LEVELS)
 
 
 def kept_scale(p: float) -> float:
     """1 / the probability that `keep_mask` keeps an element."""
-    return LEVELS / (LEVELS - round(p * LEVELS))
+    return LEVELS / (LEVELS - dropped_levels(p))
 
 
 class MaskedScale(torch.autograd.Function):
@@ -68,7 +74,7 @@ def drop(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """`F.dropout` with `keep_mask`'s masks on a CPU; PyTorch's own elsewhere."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu" or round(p * LEVELS) == LEVELS:  # p within 2^-16 of 1 drops everything
+    if x.device.type != "cpu" or dropped_levels(p) == LEVELS:  # p within 2^-16 of 1 drops everything
         return F.dropout(x, p, training)
     return MaskedScale.apply(x, keep_mask(x.shape, p), kept_scale(p))
 

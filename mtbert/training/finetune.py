@@ -1,17 +1,16 @@
 """Multitask fine-tuning of one variant, keeping each task's model from its best dev epoch.
 
-Read it top to bottom, as the `train` stage calls it:
+Read it top to bottom, as the `train` and `distill` stages call it (`fine_tune`):
 
-    run = prepare(params, variant, paths, ranks, device, fingerprint)  # model, data, optimiser, the step's pieces
-    progress = resume(run)   # the counters and history of this very run's last checkpoint, or a fresh start
-    summary = train(run, progress)                                     # the loop
+    run, progress = start(params, variant, paths)  # the process set up; model, data, optimiser; resumed
+    summary = train(run, progress)                 # the loop
 
-`train` runs, per epoch, the sampler's schedule of steps; `step` is one step's forward and backward
-passes, `update` one optimiser update, `end_epoch` the epoch's dev evaluation, snapshot dumps and the
-model saved aside when some task is at its best. What a step does is chosen once in `prepare`: the
-objective (task loss, SMART, the Bregman teacher: training/objective.py), how losses become gradients
-(plain or PCGrad: training/gradients.py) and the weights' moving average (training/averaging.py, the
-model evaluated and kept with `train.ema`). The run's counters, running sums and history are its
+`train` runs, per epoch, the sampler's schedule of steps. `step` is one step's batches, forward, loss
+and backward; `update` one optimiser update (ranks' average, clipping, AdamW, the schedule, the moving
+average); `end_epoch` the epoch's dev evaluation, snapshot dumps and the model saved aside when some task
+is at its best. The objective (task loss, SMART, the Bregman teacher) is training/objective.py; PCGrad
+(`train.gradient: pcgrad`) is training/pcgrad.py; the weights' moving average (the model evaluated and
+kept with `train.ema`) is training/averaging.py. The run's counters, running sums and history are its
 `Progress`; everything a resumed run needs (those, the weights, optimiser, data positions, RNG) is one
 `FineTuningCheckpoint`.
 """
@@ -43,7 +42,8 @@ from mtbert.model.card import variant_card
 from mtbert.model.multitask import MultitaskModel
 from mtbert.model.saved import assemble_model, epoch_dir, save_model
 from mtbert.params import Params, TrainParams, as_dict
-from mtbert.runtime import open_live, use_bf16
+from mtbert.rng import PCGRAD_ORDER, generator
+from mtbert.runtime import limit_memory_growth, open_live, use_bf16
 from mtbert.training.averaging import MovingAverage, NoAverage, weight_average
 from mtbert.training.checkpoint import (
     discard_checkpoints,
@@ -54,11 +54,19 @@ from mtbert.training.checkpoint import (
     save_checkpoint,
 )
 from mtbert.training.distillation import Distillation
-from mtbert.training.distributed import Ranks, broadcast, shard, sync_parameters
-from mtbert.training.gradients import PCGradGradients, PlainGradients, gradient_rule
-from mtbert.training.loop import Paths, Stopwatch, check_finite, optimizer_step, speed, trainable
+from mtbert.training.distributed import (
+    Ranks,
+    average_gradients,
+    broadcast,
+    setup_process,
+    shard,
+    shutdown,
+    sync_parameters,
+)
+from mtbert.training.loop import Paths, Stopwatch, check_finite, speed, trainable
 from mtbert.training.objective import BatchLoss, Objective, gold_loss
 from mtbert.training.optim import make_optimizer
+from mtbert.training.pcgrad import PCGrad
 from mtbert.training.selection import chosen_epochs, chosen_metrics
 
 log = logging.getLogger("train")
@@ -138,7 +146,7 @@ class FineTuning:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     objective: Objective
-    gradients: PlainGradients | PCGradGradients
+    pcgrad: PCGrad | None  # train.gradient pcgrad: the step's gradients kept per task, then projected
     average: MovingAverage | NoAverage
     steps_per_epoch: int
     stopwatch: Stopwatch
@@ -159,6 +167,30 @@ class FineTuning:
 
 
 # --- building it --------------------------------------------------------------------------------------
+def start(params: Params, variant: str, paths: Paths,
+          distillation: Distillation | None = None) -> tuple[FineTuning, Progress]:
+    """This process set up (memory caps, torchrun's process group, the seed), then the variant's run
+    prepared and resumed from its last checkpoint if this very run (the fingerprint) wrote one. The stages
+    `train` and `distill` start here, and so do the benchmarks and tests that drive a run step by step."""
+    limit_memory_growth(params.runtime.onednn_cache, params.runtime.malloc_threshold_mb)
+    ranks, device = setup_process(params.train.seed, params.runtime.threads)
+    fingerprint = run_fingerprint(params, paths.tokenized, paths.pretrained, ranks.world_size)
+    if distillation is not None:  # a student's run resumes only with the same teacher
+        fingerprint = distillation.fingerprint(fingerprint)
+    run = prepare(params, variant, paths, ranks, device, fingerprint, distillation)
+    return run, resume(run)
+
+
+def fine_tune(params: Params, variant: str, paths: Paths,
+              distillation: Distillation | None = None) -> tuple[FineTuning, dict]:
+    """Train the variant (or, with `distillation`, the student) from its last checkpoint or the start to
+    the end; the run and its summary."""
+    run, progress = start(params, variant, paths, distillation)
+    summary = train(run, progress)
+    shutdown(run.ranks)
+    return run, summary
+
+
 def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: torch.device,
             fingerprint: str, distillation: Distillation | None = None) -> FineTuning:
     """The model, data, optimiser and step pieces of one variant. Torch must be seeded already (the heads
@@ -187,10 +219,11 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
                                           math.ceil(steps / p.grad_accum) * p.epochs)
     objective = Objective(model, params.smart, device, bf16, p.seed,
                           distillation.loss if distillation is not None else gold_loss)
-    gradients = gradient_rule(p.gradient, trainable(model), ranks, device)  # after the optimiser froze LR-0 ones
+    # after the optimiser froze the LR-0 parameters
+    pcgrad = PCGrad(trainable(model), ranks, device) if p.gradient == "pcgrad" else None
     return FineTuning(params, variant, paths, fingerprint, ranks, device, bf16, tasks, load_tokenizer(start), model,
                       train_data, dev_data, snapshot_data, row_lengths, streams, optimizer, scheduler, objective,
-                      gradients, average, steps, Stopwatch())
+                      pcgrad, average, steps, Stopwatch())
 
 
 def snapshot_splits(p: TrainParams, tokenized: Path, task: Task, dev: TaskSplit) -> dict[str, TaskSplit]:
@@ -314,26 +347,33 @@ def train_epoch(run: FineTuning, progress: Progress) -> None:
 
 
 def step(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> None:
-    """One step: each task's next batch (this rank's share of it), its loss and gradient. The losses are
-    scaled so that the gradients summed over pieces, ranks and accumulated steps are the global batch mean."""
+    """One step's gradients: for each task, its next batch (this rank's share) in pieces, forward, loss,
+    backward. Each piece's loss is scaled by its share of the global batch and by 1 / grad_accum, so the
+    gradients summed over pieces, ranks and accumulated steps are the global batch's mean. With PCGrad each
+    task's gradient is kept apart, and the step's end removes their conflicts."""
     p = run.p
     for task in tasks:
         global_rows = run.streams[task].next()  # the same on every rank
         rows = shard(global_rows, run.ranks)
-        encoding = run.model.encoding(task)
         for piece in micro_batches(rows, run.row_lengths[task], p.max_batch_tokens):
-            batch = {k: v.to(run.device) for k, v in run.train_data[task].batch(piece, encoding).items()}
-            result = run.objective(run.model, task, batch)
-            check_finite(result.total, f"{task} loss",
+            batch = run.train_data[task].batch(piece, run.model.encoding(task))
+            batch = {k: v.to(run.device) for k, v in batch.items()}
+            loss = run.objective(run.model, task, batch)  # the task's loss plus each regulariser's, weighted
+            check_finite(loss.total, f"{task} loss",
                          f"at epoch {progress.epoch + 1} step {progress.step_in_epoch + 1}", run.paths.checkpoints,
                          "Lower train.lr or turn off train.bf16.")
-            count(progress.totals, task, piece, batch, result, weight=len(piece) / len(rows))
+            count(progress.totals, task, piece, batch, loss, weight=len(piece) / len(rows))
             share = len(piece) * run.ranks.world_size / len(global_rows)  # of the global batch
-            run.gradients.backward(result.total * share / p.grad_accum)
+            if run.pcgrad is None:
+                (loss.total * share / p.grad_accum).backward()  # frees the piece's activations
+            else:
+                run.pcgrad.backward(loss.total * share / p.grad_accum)
         if len(rows):
             progress.totals.batches[task] += 1
-        run.gradients.end_task()
-    run.gradients.end_step([p.seed, 4099, progress.epoch, progress.step_in_epoch])
+        if run.pcgrad is not None:
+            run.pcgrad.end_task()
+    if run.pcgrad is not None:
+        run.pcgrad.end_step(generator(p.seed, PCGRAD_ORDER, progress.epoch, progress.step_in_epoch))
 
 
 def micro_batches(rows: np.ndarray, lengths: np.ndarray, max_batch_tokens: int) -> list[np.ndarray]:
@@ -360,11 +400,17 @@ def count(totals: EpochTotals, task: str, rows: np.ndarray, batch: dict[str, tor
 
 
 def update(run: FineTuning, progress: Progress) -> None:
-    """One optimiser update, then what follows the weights: the teacher, the moving average."""
-    optimizer_step(run.model, run.optimizer, run.scheduler, run.p.grad_clip, run.ranks,
-                   average=not run.gradients.averages_over_ranks)
-    run.objective.after_update(run.model)
-    run.average.update(run.model)
+    """One optimiser update: the gradients averaged over the ranks, clipped, AdamW and the LR schedule's
+    step; then what follows the weights: SMART's Bregman teacher and the weights' moving average."""
+    if run.pcgrad is None:  # PCGrad averaged each task's gradient over the ranks already
+        average_gradients(trainable(run.model), run.ranks)
+    if run.p.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.p.grad_clip)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.objective.after_update(run.model)  # the Bregman teacher (smart.mu > 0)
+    run.average.update(run.model)  # the moving average (train.ema > 0)
     progress.updates += 1
 
 

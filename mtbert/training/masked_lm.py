@@ -34,6 +34,7 @@ from mtbert.data.sampling import TaskStream
 from mtbert.data.tasks import tasks_from_params
 from mtbert.model.backbone import PROVENANCE_FILE, load_encoder, load_masked_lm, load_tokenizer
 from mtbert.params import Params, PretrainParams, as_dict
+from mtbert.rng import HELD_OUT_SENTENCES, generator
 from mtbert.runtime import open_live, use_bf16
 from mtbert.training.checkpoint import (
     discard_checkpoints,
@@ -84,7 +85,7 @@ def held_out_sentences(tokenized_dir: Path, params: Params) -> TokenColumn:
     p = params.pretrain
     dev = sentences(tokenized_dir, params, ["dev"])
     count = len(dev.lengths()) if p.eval_examples == 0 else min(p.eval_examples, len(dev.lengths()))
-    rows = np.sort(np.random.default_rng([p.seed, 31]).permutation(len(dev.lengths()))[:count])
+    rows = np.sort(generator(p.seed, HELD_OUT_SENTENCES).permutation(len(dev.lengths()))[:count])
     return dev.take(rows)
 
 

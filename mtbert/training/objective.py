@@ -104,7 +104,8 @@ class Objective:
             return model(task, batch)
 
     def __call__(self, model: MultitaskModel, task: str, batch: dict[str, torch.Tensor]) -> BatchLoss:
-        replay = RngReplay(self.device)  # before the clean pass draws its dropout masks
+        # a regulariser replays the clean pass's dropout masks: the RNG's state before that pass draws them
+        replay = RngReplay(self.device) if self.terms else None
         outputs = self.forward(model, task, batch)
         loss = self.task_loss(model, task, outputs, batch)
         result = BatchLoss(total=loss, task_loss=loss.item())

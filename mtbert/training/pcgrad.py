@@ -2,13 +2,16 @@
 
 Each task's gradient is projected onto the normal plane of every other task's (original) gradient it
 conflicts with (negative dot product), the others taken in random order; the projected gradients are
-summed. Gradients that do not conflict pass unchanged.
+summed. Gradients that do not conflict pass unchanged. `PCGrad` collects a step's gradients per task for
+that (`train.gradient: pcgrad`); mtbert/training/finetune.py's `step` calls it in place of `backward()`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from mtbert.training.distributed import Ranks, average_tensor
 
 
 def project_conflicts(grads: list[torch.Tensor], rng: np.random.Generator) -> list[torch.Tensor]:
@@ -43,3 +46,30 @@ def accumulate(parameters: list[torch.nn.Parameter], flat: torch.Tensor) -> None
             parameter.grad = piece.clone()
         else:
             parameter.grad.add_(piece)
+
+
+class PCGrad:
+    """A step's gradients kept apart per task, each averaged over the ranks, then projected and summed into
+    the parameters' .grad at the step's end."""
+
+    def __init__(self, parameters: list[torch.nn.Parameter], ranks: Ranks, device: torch.device):
+        self.parameters, self.ranks, self.device = parameters, ranks, device
+        self.task_gradient: torch.Tensor | None = None
+        self.per_task: list[torch.Tensor] = []
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Add the gradient of a piece of the current task's batch."""
+        piece = flat_gradient(loss, self.parameters)  # one graph alive at a time
+        self.task_gradient = piece if self.task_gradient is None else self.task_gradient + piece
+
+    def end_task(self) -> None:
+        gradient = self.task_gradient
+        if gradient is None:  # this rank's shard of the batch is empty
+            gradient = torch.zeros(sum(p.numel() for p in self.parameters), device=self.device)
+        self.per_task.append(average_tensor(gradient, self.ranks))  # project the global gradients
+        self.task_gradient = None
+
+    def end_step(self, order: np.random.Generator) -> None:
+        """`order` draws the order the other tasks are projected in: the same on every rank and on resume."""
+        accumulate(self.parameters, sum(project_conflicts(self.per_task, order)))
+        self.per_task = []
