@@ -26,7 +26,8 @@ from bench.smart_step import scratch_run, timed_steps
 from mtbert import io
 from mtbert.params import variant_params
 from mtbert.runtime import setup_logging
-from mtbert.training.finetune import FineTuning, Progress, schedule
+from mtbert.training.build import FineTuning, schedule
+from mtbert.training.progress import Progress
 
 app = typer.Typer(add_completion=False)
 

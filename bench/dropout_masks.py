@@ -33,7 +33,7 @@ from mtbert.model import dropout
 from mtbert.model.architectures import attention_implementation
 from mtbert.params import variant_params
 from mtbert.runtime import setup_logging
-from mtbert.training.finetune import schedule
+from mtbert.training.build import schedule
 
 app = typer.Typer(add_completion=False)
 FFN_ACTIVATION = (32 * 40, 1536)  # a default batch's mean padded tokens by the FFN's width

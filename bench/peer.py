@@ -47,7 +47,9 @@ import torch
 from mtbert.data.batches import TaskSplit, bucketed_batches
 from mtbert.model.backbone import load_tokenizer, resolve_backbone, starting_point
 from mtbert.runtime import UserError
-from mtbert.training.finetune import FineTuning, Progress, schedule, step, update
+from mtbert.training.build import FineTuning, schedule
+from mtbert.training.finetune import step, update
+from mtbert.training.progress import Progress
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ LayerNorm, GELU, dropout, the embedding's gradient, the optimiser, the moving av
 rest of the wall time, outside any operator, is Python and collation overhead. Needs data/tokenized.
 
 `--epoch-end` (on by default) also times what the stage does once per epoch after its steps, the evaluation
-passes, as `finetune.evaluate_and_dump` and the raw weights' dev pass run them: the dev pass of the model kept
+passes, as `epoch_end.evaluate_and_dump` and the raw weights' dev pass run them: the dev pass of the model kept
 (with its dev dumps: the defaults' epoch end), the test predictions `train.snapshot_test` adds, and the raw
 weights' dev pass `train.dev_raw` adds (with a moving average); each as a share of an epoch (its steps at
 the profiled rate). `--no-epoch-end` leaves them out.
@@ -32,7 +32,7 @@ from mtbert.data.batches import load_split
 from mtbert.evaluation.evaluate import evaluate, predict_split
 from mtbert.params import variant_params
 from mtbert.runtime import setup_logging
-from mtbert.training import finetune
+from mtbert.training import build, epoch_end, finetune
 
 app = typer.Typer(add_completion=False)
 
@@ -95,7 +95,7 @@ def breakdown(prof: profile, wall: float) -> dict:
                                "share": round(s / wall, 3)} for name, s, calls in operators[:15]]}
 
 
-def epoch_end_seconds(run: finetune.FineTuning) -> dict[str, float]:
+def epoch_end_seconds(run: build.FineTuning) -> dict[str, float]:
     """Seconds of one epoch end's evaluation passes, each timed once after an untimed pass over every split
     (oneDNN builds its kernels for the evaluation's batch shapes): the defaults' epoch end
     (`evaluate_and_dump`: the dev pass, its metrics and dumps), the test predictions train.snapshot_test adds,
@@ -111,11 +111,11 @@ def epoch_end_seconds(run: finetune.FineTuning) -> dict[str, float]:
 
     dev_only = dataclasses.replace(run.p, snapshot_test=False)
     run = dataclasses.replace(run, snapshot_data={
-        name: finetune.snapshot_splits(dev_only, run.paths.tokenized, task, run.dev_data[name])
+        name: build.snapshot_splits(dev_only, run.paths.tokenized, task, run.dev_data[name])
         for name, task in run.tasks.items()})
     test = [load_split(run.paths.tokenized, task, "test") for task in run.tasks.values()]
     predict_every([*run.dev_data.values(), *test])  # warm-up
-    seconds = {"dev pass and dumps": timed(lambda: finetune.evaluate_and_dump(run, 1)),
+    seconds = {"dev pass and dumps": timed(lambda: epoch_end.evaluate_and_dump(run, 1)),
                "test predictions (train.snapshot_test)": timed(lambda: predict_every(test))}
     if run.average.separate:
         seconds["raw weights' dev pass (train.dev_raw)"] = timed(
@@ -145,7 +145,7 @@ def main(steps: int = typer.Option(24, help="profiled steps"),
     with tempfile.TemporaryDirectory() as scratch:
         run, progress = scratch_run(params, variant, tokenized_dir, Path(scratch))
         run.model.train()
-        schedule = finetune.schedule(run, 0)[: warmup + steps]
+        schedule = build.schedule(run, 0)[: warmup + steps]
         for tasks in schedule[:warmup]:
             finetune.step(run, progress, tasks)
             finetune.update(run, progress)

@@ -25,9 +25,11 @@ from mtbert import io
 from mtbert.params import SmartParams, variant_params
 from mtbert.runtime import setup_logging
 from mtbert.training import finetune
-from mtbert.training.finetune import FineTuning, Progress, schedule, step, update
+from mtbert.training.build import FineTuning, schedule
+from mtbert.training.finetune import step, update
 from mtbert.training.loop import Paths
 from mtbert.training.objective import Objective
+from mtbert.training.progress import Progress
 
 TARGETS = {"smart": 2.5, "random": 2.0}  # step time over plain: SMART (K ascent steps) and random mode
 app = typer.Typer(add_completion=False)

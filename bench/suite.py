@@ -53,8 +53,10 @@ from mtbert.data.batches import TaskSplit, eval_batches, load_split
 from mtbert.data.sampling import TaskStream
 from mtbert.params import variant_params
 from mtbert.runtime import setup_logging
-from mtbert.training.finetune import FineTuning, Progress, schedule, update
+from mtbert.training.build import FineTuning, schedule
+from mtbert.training.finetune import update
 from mtbert.training.objective import Objective
+from mtbert.training.progress import Progress
 
 TARGETS = {"peer_speedup": 2.0, "train_speedup": 3.0, "peak_fraction": 0.40, "smart_ratio": 2.5,
            "smart_random_ratio": 2.0, "tokenize_seconds": 15.0, "peak_rss_gib": 3.0}

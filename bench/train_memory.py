@@ -25,7 +25,8 @@ from bench.smart_step import scratch_run
 from mtbert.evaluation.evaluate import evaluate
 from mtbert.params import variant_params
 from mtbert.runtime import peak_rss_gib, setup_logging
-from mtbert.training import finetune
+from mtbert.training import build, finetune
+from mtbert.training import progress as progress_state
 
 app = typer.Typer(add_completion=False)
 
@@ -63,7 +64,7 @@ def main(steps: int = typer.Option(20), variant: str = typer.Option("base"),
                             max_batch_tokens)
     with tempfile.TemporaryDirectory() as scratch:
         run, progress = scratch_run(params, variant, tokenized_dir, Path(scratch))
-        schedule = finetune.schedule(run, 0)[:steps]
+        schedule = build.schedule(run, 0)[:steps]
         fed = run  # with longest_first, the same run fed each task's longest batch first
         if longest_first:
             fed = dataclasses.replace(run, streams={
@@ -76,7 +77,7 @@ def main(steps: int = typer.Option(20), variant: str = typer.Option("base"),
             finetune.update(fed, progress)
         seconds_per_step = (time.perf_counter() - start) / steps
         evaluate(run.model, run.dev_data, run.p.eval_batch_size, run.device, run.bf16)
-        finetune.checkpoint(run, progress)  # the checkpoint saves the streams' positions
+        progress_state.checkpoint(run, progress)  # the checkpoint saves the streams' positions
     print(json.dumps({"peak_rss_gib": round(peak_rss_gib(), 3),
                       "seconds_per_step": round(seconds_per_step, 4)}))
 

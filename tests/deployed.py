@@ -77,7 +77,7 @@ def write_variant(deployed: Deployed, variant: str, backbone: Path) -> None:
     from mtbert.model.multitask import MultitaskModel
     from mtbert.model.saved import assemble_model, epoch_dir, save_model
     from mtbert.params import as_dict, variant_params
-    from mtbert.training.finetune import NOT_TRAINING
+    from mtbert.training.build import NOT_TRAINING
 
     params = variant_params(deployed.params_file, variant)
     torch.manual_seed(len(variant))

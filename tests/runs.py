@@ -17,15 +17,17 @@ import yaml
 
 from mtbert.params import Params
 from mtbert.training import finetune
+from mtbert.training.build import FineTuning
 from mtbert.training.loop import Paths
+from mtbert.training.progress import Progress
 from tests.conftest import REPO_ROOT, saved_heads
 
 
 @dataclasses.dataclass
 class Run:
     """A prepared run with its progress; `train()` takes it to the end."""
-    run: finetune.FineTuning
-    progress: finetune.Progress
+    run: FineTuning
+    progress: Progress
 
     def train(self) -> dict:
         return finetune.train(self.run, self.progress)

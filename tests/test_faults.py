@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from mtbert.params import variant_params
-from mtbert.training import finetune
+from mtbert.training import build
 from tests.commands import mtbert_in_process
 from tests.conftest import REPO_ROOT, make_params
 from tests.runs import kill_when, result_of, run_training, train_command
@@ -198,7 +198,7 @@ def test_a_missing_tokenized_split_is_named_before_train_fingerprints_the_data(t
     shutil.copytree(tiny_tokenized, tmp_path / "tok")
     (tmp_path / "tok" / "sts-test.parquet").unlink()
     with pytest.raises(MissingInputError, match=r"sts-test.parquet is missing; run `dvc repro tokenize` first"):
-        finetune.run_fingerprint(variant_params(training_params, "base"), tmp_path / "tok", None)
+        build.run_fingerprint(variant_params(training_params, "base"), tmp_path / "tok", None)
 
 
 def test_a_tokenized_split_without_a_column_names_it(tmp_path, tiny_tokenized):
@@ -363,15 +363,15 @@ def test_the_fingerprint_covers_params_data_and_start_weights_but_not_runtime(tm
     tokenized, backbone = tmp_path / "tok", tmp_path / "backbone"
     shutil.copytree(tiny_tokenized, tokenized)
     shutil.copytree(tiny_backbone, backbone)
-    fingerprint = finetune.run_fingerprint(params, tokenized, backbone)
+    fingerprint = build.run_fingerprint(params, tokenized, backbone)
 
     faster = variant_params(make_params(tmp_path, tiny_backbone, Path("unused"), runtime={"threads": 2}), "base")
-    assert finetune.run_fingerprint(faster, tokenized, backbone) == fingerprint
+    assert build.run_fingerprint(faster, tokenized, backbone) == fingerprint
     other = variant_params(make_params(tmp_path, tiny_backbone, Path("unused"), train={"seed": 1}), "base")
-    assert finetune.run_fingerprint(other, tokenized, backbone) != fingerprint
+    assert build.run_fingerprint(other, tokenized, backbone) != fingerprint
 
     overwrite_middle(tokenized / "sts-test.parquet", 1)  # any split, test too: the snapshot dumps predict it
-    assert finetune.run_fingerprint(params, tokenized, backbone) != fingerprint
+    assert build.run_fingerprint(params, tokenized, backbone) != fingerprint
     shutil.copy(tiny_tokenized / "sts-test.parquet", tokenized / "sts-test.parquet")
     overwrite_middle(backbone / "model.safetensors", 4)
-    assert finetune.run_fingerprint(params, tokenized, backbone) != fingerprint
+    assert build.run_fingerprint(params, tokenized, backbone) != fingerprint

@@ -11,6 +11,7 @@ import torch
 from mtbert.params import variant_params
 from mtbert.training import finetune
 from mtbert.training.loop import Paths, TrainingError
+from mtbert.training.progress import FineTuningCheckpoint, Progress
 from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params, saved_heads
 from tests.runs import prepared, result_of, run_training, train_command, train_summary
 
@@ -195,7 +196,7 @@ def test_a_checkpoint_of_another_layout_is_ignored_like_one_of_other_params(tmp_
     old_layout = tmp_path / "last.pt"  # as mtbert's loop before the typed checkpoint wrote it, same fingerprint
     torch.save({"fingerprint": "same", "model": {}, "optimizer": {}, "scheduler": {}, "ranks": [],
                 "history": "[]", "running": "{}", "train_seconds": 1.0, "loop": {}}, old_layout)
-    assert load_checkpoint(tmp_path, finetune.FineTuningCheckpoint, finetune.Progress, "same") is None
+    assert load_checkpoint(tmp_path, FineTuningCheckpoint, Progress, "same") is None
     assert "holds no FineTuningCheckpoint" in caplog.text
     assert old_layout.is_file()  # left where it was: it is readable, so it is not set aside
 

@@ -1,0 +1,154 @@
+"""A fine-tuning run built: `FineTuning` (what the loop works with) and `prepare`, which builds it from the
+params; the epoch's schedule of steps; the run's fingerprint, which a checkpoint must match to be resumed."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mtbert.data.batches import TaskSplit, load_split, tokenized_input
+from mtbert.data.sampling import TaskStream, epoch_schedule
+from mtbert.data.tasks import Task, tasks_from_params
+from mtbert.model.backbone import load_encoder, load_tokenizer, starting_point
+from mtbert.model.multitask import MultitaskModel
+from mtbert.params import Params, TrainParams, as_dict
+from mtbert.runtime import use_bf16
+from mtbert.training.averaging import MovingAverage, NoAverage, weight_average
+from mtbert.training.distillation import Distillation
+from mtbert.training.distributed import Ranks, sync_parameters
+from mtbert.training.loop import Paths, Stopwatch, trainable
+from mtbert.training.objective import Objective, gold_loss
+from mtbert.training.optim import make_optimizer
+from mtbert.training.pcgrad import PCGrad
+
+log = logging.getLogger("train")
+
+
+NOT_TRAINING = ("models", "runtime", "predict", "ensemble", "stats")
+
+# Per-batch figures of BatchLoss, averaged per epoch.
+
+
+@dataclasses.dataclass
+class FineTuning:
+    """What the loop works with: built by `prepare`, its state loaded by `resume` from a checkpoint."""
+    params: Params
+    variant: str
+    paths: Paths
+    fingerprint: str  # the params and data of this run; a checkpoint from another is not resumed
+    ranks: Ranks
+    device: torch.device
+    bf16: bool
+    tasks: dict[str, Task]
+    tokenizer: object
+    model: MultitaskModel
+    train_data: dict[str, TaskSplit]
+    dev_data: dict[str, TaskSplit]
+    snapshot_data: dict[str, dict[str, TaskSplit]]  # per task, the whole splits each epoch dumps
+    row_lengths: dict[str, np.ndarray]  # per task, each training row's tokens as the model reads them
+    streams: dict[str, TaskStream]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    objective: Objective
+    pcgrad: PCGrad | None  # train.gradient pcgrad: the step's gradients kept per task, then projected
+    average: MovingAverage | NoAverage
+    steps_per_epoch: int
+    stopwatch: Stopwatch
+
+    @property
+    def p(self) -> TrainParams:
+        return self.params.train
+
+    @property
+    def saved_epochs(self) -> Path:
+        """Whole-model snapshots of the epochs some task keeps, until the run ends."""
+        return self.paths.checkpoints / "epochs"
+
+    @property
+    def snapshot_dumps(self) -> Path:
+        """Every epoch's prediction dumps, until the run ends."""
+        return self.paths.checkpoints / "snapshots"
+
+
+def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: torch.device,
+            fingerprint: str, distillation: Distillation | None = None) -> FineTuning:
+    """The model, data, optimiser and step pieces of one variant. Torch must be seeded already (the heads
+    start random). With `distillation` it is a student's: each training row carries the teacher's prediction,
+    and the task loss blends it with the gold label (training/distillation.py)."""
+    p = params.train
+    bf16 = use_bf16(p.bf16, device)  # `auto` decided once, by the device
+    log.info("bf16 autocast %s (bf16: %s on %s)", "on" if bf16 else "off", p.bf16, device.type)
+    tasks = tasks_from_params(params.tasks)
+    start = starting_point(params.model.name, paths.pretrained)
+    model = MultitaskModel(load_encoder(start), tasks, params.heads, params.model.arch,
+                           params.model.task_layers).to(device)
+    sync_parameters(model, ranks)
+    average = weight_average(model, p.ema)
+    train_data = {name: load_split(paths.tokenized, task, "train", train_rows(p, name)) for name, task in tasks.items()}
+    if distillation is not None:
+        train_data = {name: distillation.taught(split) for name, split in train_data.items()}
+    dev_data = {name: load_split(paths.tokenized, task, "dev", p.max_examples) for name, task in tasks.items()}
+    snapshot_data = {name: snapshot_splits(p, paths.tokenized, task, dev_data[name])
+                     for name, task in tasks.items()} if paths.snapshots and ranks.is_main else {}
+    row_lengths = {name: split.lengths(model.encoding(name)) for name, split in train_data.items()}
+    streams = {name: TaskStream(row_lengths[name], p.batch_size[name], p.bucket_batches, p.seed, index)
+               for index, name in enumerate(train_data)}
+    steps = len(epoch_schedule_for(p, train_data, streams, 0))
+    optimizer, scheduler = make_optimizer(model, model.encoder.config.num_hidden_layers, p,
+                                          math.ceil(steps / p.grad_accum) * p.epochs)
+    objective = Objective(model, params.smart, device, bf16, p.seed,
+                          distillation.loss if distillation is not None else gold_loss)
+    # after the optimiser froze the LR-0 parameters
+    pcgrad = PCGrad(trainable(model), ranks, device) if p.gradient == "pcgrad" else None
+    return FineTuning(params, variant, paths, fingerprint, ranks, device, bf16, tasks, load_tokenizer(start), model,
+                      train_data, dev_data, snapshot_data, row_lengths, streams, optimizer, scheduler, objective,
+                      pcgrad, average, steps, Stopwatch())
+
+
+def snapshot_splits(p: TrainParams, tokenized: Path, task: Task, dev: TaskSplit) -> dict[str, TaskSplit]:
+    """The splits each epoch's snapshot dumps cover, whole so that the ensemble can align them with predict's:
+    dev, and test with train.snapshot_test (only `ensemble.snapshots` reads an epoch's test predictions)."""
+    splits = {"dev": dev if not p.max_examples else load_split(tokenized, task, "dev")}
+    if p.snapshot_test:
+        splits["test"] = load_split(tokenized, task, "test")
+    return splits
+
+
+def train_rows(p: TrainParams, task: str) -> int:
+    """How many of the task's training rows to train on: the smaller of the caps that are set (0: all)."""
+    caps = [cap for cap in (p.max_examples, p.max_train_examples[task]) if cap]
+    return min(caps, default=0)
+
+
+def epoch_schedule_for(p: TrainParams, train_data: dict[str, TaskSplit], streams: dict[str, TaskStream],
+                       epoch: int) -> list[tuple[str, ...]]:
+    sizes = {name: len(split) for name, split in train_data.items()}
+    batches = {name: stream.batches_per_pass for name, stream in streams.items()}
+    return epoch_schedule(p.sampler, batches, sizes, seed=p.seed, epoch=epoch, epochs=p.epochs,
+                          temperature=p.temperature)
+
+
+def schedule(run: FineTuning, epoch: int) -> list[tuple[str, ...]]:
+    """The tasks of each step of one epoch, by the sampler."""
+    return epoch_schedule_for(run.p, run.train_data, run.streams, epoch)
+
+
+def run_fingerprint(params: Params, tokenized_dir: Path, pretrained: Path | None, world_size: int = 1) -> str:
+    """Identifies a run: its params (less `runtime`, which changes no result), the data and the start weights."""
+    digest = hashlib.sha256()
+    # `models` holds the other variants' overrides; this variant's are already merged in.
+    relevant = {key: value for key, value in as_dict(params).items() if key not in NOT_TRAINING}
+    digest.update(json.dumps({**relevant, "world_size": world_size}, sort_keys=True).encode())
+    for task in params.tasks:
+        for split in ("train", "dev", "test"):  # test: train.snapshot_test's dumps predict it
+            digest.update(tokenized_input(tokenized_dir, task, split).read_bytes())
+    for path in sorted(pretrained.glob("*.safetensors")) if pretrained is not None else []:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
