@@ -1,7 +1,8 @@
 """How `mtbert serve` starts and stops: readiness, a drain on SIGTERM or SIGINT, and its worker processes.
 
 On SIGTERM or SIGINT a worker drains, then exits 0:
-1. `/ready` answers 503 and the worker stops accepting connections;
+1. `/ready` answers 503 and the worker stops accepting connections, after taking those the kernel has
+   already completed (`stop_accepting`);
 2. every request it has accepted is finished, those waiting in the micro-batcher included; a request that
    arrives meanwhile on a connection the worker already had is served too, and every response now says
    `Connection: close`, so clients move to another server instead of finding a closed socket;
@@ -20,10 +21,12 @@ copy of the socket, passes SIGTERM to every worker and waits for their drains.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -61,6 +64,7 @@ class DrainingServer(uvicorn.Server):
         self.lifecycle, self.grace = lifecycle, grace
         self.ignore_sigint = ignore_sigint  # a worker under the supervisor: the terminal's Ctrl-C is the parent's
         self.drain_started: float | None = None
+        self.accepting = True  # until the drain's first tick
         self.grace_over = False
 
     def handle_exit(self, sig: int, frame) -> None:
@@ -77,8 +81,9 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.drain_started is None:
             return await super().on_tick(counter)
-        for server in self.servers:  # stop accepting connections (closing twice is harmless)
-            server.close()
+        if self.accepting:
+            stop_accepting(self.servers)
+            self.accepting = False
         waited = time.monotonic() - self.drain_started
         if not self.grace_over and waited >= self.grace:
             self.grace_over = True
@@ -90,6 +95,41 @@ class DrainingServer(uvicorn.Server):
             return False  # a client still on an open connection gets its next request served, with a close
         log(f"drained: {self.lifecycle.served} request(s) answered in {waited:.2f} s; exiting")
         return True
+
+
+def stop_accepting(servers: list[asyncio.Server]) -> None:
+    """Close the listening sockets, first taking every connection the kernel has already completed.
+
+    Closing a listening socket resets the connections still waiting in its accept queue: a client that
+    connected and sent its request would read a reset, not an answer. So the queue is emptied first and
+    its connections are served as any other (each response saying `Connection: close`); only a
+    connection completed in the microseconds between the last accept and the close can still be reset.
+    With `--workers N` the socket is shared, and the last worker to close it empties it last.
+    """
+    loop = asyncio.get_running_loop()
+    for server in servers:
+        for listener in server.sockets:
+            for connection in waiting_connections(listener.fileno()):
+                # the server's own protocol factory (asyncio keeps it on the Server), as its accepts use
+                loop.create_task(loop.connect_accepted_socket(server._protocol_factory, connection))
+        server.close()
+
+
+def waiting_connections(listener_fd: int) -> list[socket.socket]:
+    """Every connection waiting in the accept queue of the listening socket `listener_fd` (non-blocking)."""
+    listener = socket.socket(fileno=os.dup(listener_fd))  # a copy: closing it leaves the server's open
+    accepted = []
+    try:
+        listener.setblocking(False)
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return accepted
+            connection.setblocking(False)
+            accepted.append(connection)
+    finally:
+        listener.close()
 
 
 def run_worker(app, *, host: str, port: int, grace: float, sockets=None, ignore_sigint: bool = False) -> None:
