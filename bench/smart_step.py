@@ -24,9 +24,8 @@ import typer
 from mtbert import io
 from mtbert.params import SmartParams, variant_params
 from mtbert.runtime import setup_logging
-from mtbert.training import finetune
 from mtbert.training.build import FineTuning, schedule
-from mtbert.training.finetune import step, update
+from mtbert.training.finetune import start, step, update
 from mtbert.training.loop import Paths
 from mtbert.training.objective import Objective
 from mtbert.training.progress import Progress
@@ -68,7 +67,7 @@ def scratch_run(params, variant: str, tokenized_dir: Path, scratch: Path) -> tup
     `scratch`."""
     paths = Paths(tokenized=tokenized_dir, model_out=scratch / "model", metrics_out=scratch / "metrics.json",
                   live_dir=scratch / "live", checkpoints=scratch / "checkpoints")
-    return finetune.start(params, variant, paths)
+    return start(params, variant, paths)
 
 
 def alternate_blocks(arms: dict[str, Callable[[list], list[float]]], batches: list,
@@ -78,9 +77,9 @@ def alternate_blocks(arms: dict[str, Callable[[list], list[float]]], batches: li
     for time_steps in arms.values():  # warm-up, untimed
         time_steps(batches[:block])
     times: dict[str, list[float]] = {name: [] for name in arms}
-    for start in range(block, len(batches), block):
+    for first in range(block, len(batches), block):
         for name, time_steps in arms.items():
-            times[name] += time_steps(batches[start:start + block])
+            times[name] += time_steps(batches[first:first + block])
     return times
 
 

@@ -1,9 +1,12 @@
 """The run's random streams, by name.
 
 torch's global generator, seeded with the run's seed, draws the heads' starting weights and the dropout
-masks, in the order the forward pass needs them (so a resumed run restores its state). Everything else draws
-from a numpy generator seeded with [seed, stream, position...]: a stream of its own, so that drawing more
-from one never shifts another, and a position (an epoch, a step) that a resumed run passes again.
+masks, in the order the forward pass needs them (so a resumed run restores its state). The numpy streams
+below are seeded with [seed, stream, position...]: a stream of its own, so that drawing more from one never
+shifts another, and a position (an epoch, a step) that a resumed run passes again. Others keep their own
+seeding beside them: each task's batch stream ([seed, the task's index, the pass], data/sampling.py), the
+transfer set ([seed, the task name's CRC], data/transfer.py), masked-LM's masking generator and SMART's
+noise generator (torch generators of their own, restored on resume).
 """
 
 from __future__ import annotations

@@ -82,8 +82,10 @@ class DrainingServer(uvicorn.Server):
         if self.drain_started is None:
             return await super().on_tick(counter)
         if self.accepting:
-            stop_accepting(self.servers)
             self.accepting = False
+            if await stop_accepting(self.servers):  # connections taken from the queue: their requests next
+                self.lifecycle.last_activity = time.monotonic()
+                return False
         waited = time.monotonic() - self.drain_started
         if not self.grace_over and waited >= self.grace:
             self.grace_over = True
@@ -97,8 +99,9 @@ class DrainingServer(uvicorn.Server):
         return True
 
 
-def stop_accepting(servers: list[asyncio.Server]) -> None:
-    """Close the listening sockets, first taking every connection the kernel has already completed.
+async def stop_accepting(servers: list[asyncio.Server]) -> int:
+    """Close the listening sockets, first taking every connection the kernel has already completed; how
+    many were taken.
 
     Closing a listening socket resets the connections still waiting in its accept queue: a client that
     connected and sent its request would read a reset, not an answer. So the queue is emptied first and
@@ -107,36 +110,49 @@ def stop_accepting(servers: list[asyncio.Server]) -> None:
     With `--workers N` the socket is shared, and the last worker to close it empties it last.
     """
     loop = asyncio.get_running_loop()
+    taken = []
     for server in servers:
         for listener in server.sockets:
             for connection in waiting_connections(listener.fileno()):
-                # the server's own protocol factory (asyncio keeps it on the Server), as its accepts use
-                loop.create_task(loop.connect_accepted_socket(server._protocol_factory, connection))
+                # asyncio's own accept path: the server's protocol factory (no TLS: `mtbert serve` has none)
+                taken.append(loop.connect_accepted_socket(server._protocol_factory, connection))
         server.close()
+    for outcome in await asyncio.gather(*taken, return_exceptions=True):
+        if isinstance(outcome, Exception):  # that client is gone already; the others are served
+            log(f"a connection taken from the accept queue failed: {outcome!r}")
+    return len(taken)
 
 
-def waiting_connections(listener_fd: int) -> list[socket.socket]:
-    """Every connection waiting in the accept queue of the listening socket `listener_fd` (non-blocking)."""
+def waiting_connections(listener_fd: int, most: int = 1024) -> list[socket.socket]:
+    """The connections waiting in the accept queue of the listening socket `listener_fd`, at most `most`
+    (non-blocking; errors as asyncio's own accept loop treats them)."""
     listener = socket.socket(fileno=os.dup(listener_fd))  # a copy: closing it leaves the server's open
     accepted = []
     try:
         listener.setblocking(False)
-        while True:
+        for _ in range(most):
             try:
                 connection, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
-                return accepted
+                break
+            except ConnectionAbortedError:  # the client gave up before its turn
+                continue
+            except OSError as error:  # e.g. out of file descriptors: keep what was taken
+                log(f"could not take a waiting connection: {error}")
+                break
             connection.setblocking(False)
             accepted.append(connection)
     finally:
         listener.close()
+    return accepted
 
 
 def run_worker(app, *, host: str, port: int, grace: float, sockets=None, ignore_sigint: bool = False) -> None:
     """Serve `app` (its `state.lifecycle` set) until a signal, then drain and return."""
     # uvicorn's own grace is a backstop past ours: by then every request was answered or refused
+    # asyncio's loop, not uvloop: the drain takes waiting connections through asyncio's Server (stop_accepting)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, loop="asyncio")
     server = DrainingServer(config, app.state.lifecycle, grace, ignore_sigint)
     server.run(sockets=sockets)
 

@@ -31,14 +31,14 @@ from mtbert.training.pcgrad import PCGrad
 log = logging.getLogger("train")
 
 
+# Sections that do not change what `train` computes: left out of the run's fingerprint and mtbert.json.
 NOT_TRAINING = ("models", "runtime", "predict", "ensemble", "stats")
-
-# Per-batch figures of BatchLoss, averaged per epoch.
 
 
 @dataclasses.dataclass
 class FineTuning:
-    """What the loop works with: built by `prepare`, its state loaded by `resume` from a checkpoint."""
+    """What the loop works with: built by `prepare`, its state loaded from a checkpoint by
+    training/progress.py's `resume`."""
     params: Params
     variant: str
     paths: Paths

@@ -2,9 +2,10 @@
 predictions of the training rows (Hinton et al. 2015; for multitask models Liu et al. 2019, "Improving
 Multi-Task Deep Neural Networks via Knowledge Distillation for Natural Language Understanding").
 
-The student runs the fine-tuning loop (mtbert/training/finetune.py) as it is; `prepare` takes a
-`Distillation` and changes two things: each training row carries the teacher's prediction (`TaughtSplit`),
-and the objective's task loss is `Distillation.loss`, per batch
+The student runs the fine-tuning loop (mtbert/training/finetune.py, `fine_tune(..., distillation)`) as
+it is; `prepare` (training/build.py) takes the `Distillation` and changes two things: each training row
+carries the teacher's prediction (`TaughtSplit`), and the objective's task loss is `Distillation.loss`,
+per batch
 
     alpha * teacher_loss(outputs, teacher, T) + (1 - alpha) * loss(outputs, gold labels)
 

@@ -42,6 +42,7 @@ from mtbert.training.publish import parameter_count, publish, summary
 
 log = logging.getLogger("train")
 
+# Per-batch figures of BatchLoss, averaged per epoch.
 REGULARISERS = ("smart_loss", "bregman_loss", "delta_ratio", "delta_l2_ratio", "ascended")
 
 

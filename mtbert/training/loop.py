@@ -1,5 +1,6 @@
 """What both training loops (fine-tuning and masked-LM) share: their paths, the training clock, the
-optimiser step, the non-finite-loss guard and the speed record."""
+non-finite-loss guard and the speed record; and masked-LM's optimiser step (fine-tuning's `update` writes
+its own out, with PCGrad's branch)."""
 
 from __future__ import annotations
 
@@ -60,11 +61,9 @@ def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def optimizer_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float, ranks: Ranks,
-                   average: bool = True) -> None:
-    """Average the gradients over the ranks (unless the caller already did), clip, step, zero."""
-    if average:
-        average_gradients(trainable(model), ranks)
+def optimizer_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float, ranks: Ranks) -> None:
+    """Average the gradients over the ranks, clip, step, zero."""
+    average_gradients(trainable(model), ranks)
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()

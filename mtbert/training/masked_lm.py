@@ -1,6 +1,6 @@
 """Masked-LM further pretraining of the backbone on the tasks' own text: the loop, and the pass-through.
 
-Built as fine-tuning is (training/finetune.py), and called the same way by the `pretrain` stage:
+Built as fine-tuning is (training/finetune.py, build.py, progress.py), and called by the `pretrain` stage:
 
     run = prepare(params, paths, ranks, device, fingerprint)
     progress = resume(run)
