@@ -24,7 +24,7 @@ import typer
 
 from bench.smart_step import scratch_run, timed_steps
 from mtbert import io
-from mtbert.params import variant_params
+from mtbert.params import variant_params, with_changes
 from mtbert.runtime import setup_logging
 from mtbert.training.build import FineTuning, schedule
 from mtbert.training.progress import Progress
@@ -55,7 +55,7 @@ def main(steps: int = typer.Option(24, help="timed steady-state steps per mode")
     setup_logging()
     params = variant_params(params_file, variant)
     if bf16 is not None:
-        params = dataclasses.replace(params, train=dataclasses.replace(params.train, bf16=bf16))
+        params = params.model_copy(update={"train": with_changes(params.train, bf16=bf16)})
     with tempfile.TemporaryDirectory() as scratch:
         run, progress = scratch_run(params, variant, tokenized_dir, Path(scratch))
         run.model.train()

@@ -30,7 +30,7 @@ from bench.smart_step import scratch_run
 from mtbert import io
 from mtbert.data.batches import load_split
 from mtbert.evaluation.evaluate import evaluate, predict_split
-from mtbert.params import variant_params
+from mtbert.params import variant_params, with_changes
 from mtbert.runtime import setup_logging
 from mtbert.training import build, epoch_end, finetune
 
@@ -109,7 +109,7 @@ def epoch_end_seconds(run: build.FineTuning) -> dict[str, float]:
         for split in splits:
             predict_split(run.average.model, split, run.p.eval_batch_size, run.device, run.bf16)
 
-    dev_only = dataclasses.replace(run.p, snapshot_test=False)
+    dev_only = with_changes(run.p, snapshot_test=False)
     run = dataclasses.replace(run, snapshot_data={
         name: build.snapshot_splits(dev_only, run.paths.tokenized, task, run.dev_data[name])
         for name, task in run.tasks.items()})

@@ -22,7 +22,7 @@ from pathlib import Path
 import typer
 
 from mtbert import io
-from mtbert.params import SmartParams, variant_params
+from mtbert.params import SmartParams, variant_params, with_changes
 from mtbert.runtime import setup_logging
 from mtbert.training.build import FineTuning, schedule
 from mtbert.training.finetune import start, step, update
@@ -43,12 +43,12 @@ def smart_run(run: FineTuning, steps: int, mode: str = "adversarial") -> FineTun
     """SMART on every task (lambda 1, K = steps, or random mode), no teacher; the rest of smart.* as in
     params.yaml."""
     every_task = {task: None for task in run.tasks}  # every task inherits lambda
-    return with_smart(run, dataclasses.replace(run.params.smart, lambda_=1.0, task_lambda=every_task, steps=steps,
+    return with_smart(run, with_changes(run.params.smart, lambda_=1.0, task_lambda=every_task, steps=steps,
                                                mode=mode, mu=0.0))
 
 
 def plain_run(run: FineTuning) -> FineTuning:
-    return with_smart(run, dataclasses.replace(run.params.smart, lambda_=0.0, mu=0.0))
+    return with_smart(run, with_changes(run.params.smart, lambda_=0.0, mu=0.0))
 
 
 def timed_steps(run: FineTuning, progress: Progress, steps: list[tuple[str, ...]]) -> list[float]:

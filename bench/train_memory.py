@@ -23,7 +23,7 @@ import typer
 
 from bench.smart_step import scratch_run
 from mtbert.evaluation.evaluate import evaluate
-from mtbert.params import variant_params
+from mtbert.params import variant_params, with_changes
 from mtbert.runtime import peak_rss_gib, setup_logging
 from mtbert.training import build, finetune
 from mtbert.training import progress as progress_state
@@ -45,12 +45,12 @@ class LongestFirst:
 def with_overrides(params, onednn_cache: int, malloc_threshold_mb: int, max_batch_tokens: int):
     """params with each override that is not -1 put in."""
     runtime, train = params.runtime, params.train
-    runtime = dataclasses.replace(runtime, onednn_cache=runtime.onednn_cache if onednn_cache < 0 else onednn_cache,
+    runtime = with_changes(runtime, onednn_cache=runtime.onednn_cache if onednn_cache < 0 else onednn_cache,
                                   malloc_threshold_mb=(runtime.malloc_threshold_mb if malloc_threshold_mb < 0
                                                        else malloc_threshold_mb))
-    train = dataclasses.replace(train, max_batch_tokens=train.max_batch_tokens if max_batch_tokens < 0
+    train = with_changes(train, max_batch_tokens=train.max_batch_tokens if max_batch_tokens < 0
                                 else max_batch_tokens)
-    return dataclasses.replace(params, runtime=runtime, train=train)
+    return params.model_copy(update={"runtime": runtime, "train": train})
 
 
 @app.command()

@@ -91,18 +91,16 @@ def export(model: Path = typer.Option(..., "--model", help="a trained variant's 
            int8: bool = typer.Option(None, "--int8/--no-int8", help="int8 graphs too (default: export.int8)"),
            threads: int = typer.Option(None, min=0, help="CPU threads (default: runtime.threads)")) -> None:
     """Export a trained variant to ONNX: per task an fp32 graph (and int8), the tokenizer, a manifest."""
-    import dataclasses
-
     from mtbert import io
     from mtbert.deploy.export import export_variant
     from mtbert.deploy.predictors import quiet_transformers
-    from mtbert.params import load_params
+    from mtbert.params import load_params, with_changes
     from mtbert.runtime import setup_logging, setup_torch
 
     setup_logging()
     quiet_transformers()
     params = load_params(params_file)
-    options = params.export if int8 is None else dataclasses.replace(params.export, int8=int8)
+    options = params.export if int8 is None else with_changes(params.export, int8=int8)
     threads = params.runtime.threads if threads is None else threads
     setup_torch(seed=0, threads=threads)
     report = export_variant(model, out, options, tokenized_dir, threads)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ from mtbert.model.architectures import ARCHS, TaskEncoders, attention_for
 from mtbert.model.dropout import EAGER_ATTENTION
 from mtbert.model.multitask import MultitaskModel
 from mtbert.model.saved import ModelFolderError, load_model, save_model
-from mtbert.params import load_params, variant_params
+from mtbert.params import load_params, variant_params, with_changes
 from mtbert.training.pcgrad import project_conflicts
 from tests.conftest import REPO_ROOT, TASKS, make_params
 
@@ -23,8 +22,8 @@ from tests.conftest import REPO_ROOT, TASKS, make_params
 def params():
     """The repo's params with STS cross-encoded, as the pair batches below are (the default is a bi-encoder)."""
     params = load_params(REPO_ROOT / "params.yaml")
-    sts = dataclasses.replace(params.heads["sts"], encoding="cross")
-    return dataclasses.replace(params, heads={**params.heads, "sts": sts})
+    sts = with_changes(params.heads["sts"], encoding="cross")
+    return with_changes(params, heads={**params.heads, "sts": sts})
 
 
 @pytest.fixture

@@ -20,3 +20,31 @@ def test_line_references_in_the_training_page_point_at_the_functions_they_name()
         line = lines[int(reference["line"]) - 1]
         assert re.match(rf"\s*def {re.escape(function)}\(", line), \
             f"docs/training.md: {reference[0]} points at {line.strip()!r}; update its line number"
+
+
+def test_the_knob_reference_is_the_one_the_schema_generates():
+    from mtbert.params_reference import reference
+
+    current = (REPO_ROOT / "docs" / "params.md").read_text(encoding="utf-8")
+    assert current == reference(), "docs/params.md is stale: python -m mtbert.params_reference docs/params.md"
+
+
+def test_every_knob_of_params_yaml_is_described_in_the_reference():
+    import yaml
+
+    text = (REPO_ROOT / "docs" / "params.md").read_text(encoding="utf-8")
+    described = set(re.findall(r"^\| `([^`]+)` \|", text, flags=re.M))
+
+    def keys(node: dict, prefix: str):  # a mapping without a row of its own is a section: its keys have rows
+        for key, value in node.items():
+            dotted = f"{prefix}{key}"
+            if isinstance(value, dict) and dotted not in described:
+                yield from keys(value, f"{dotted}.")
+            else:
+                yield dotted
+
+    raw = yaml.safe_load((REPO_ROOT / "params.yaml").read_text(encoding="utf-8"))
+    raw = {name: section for name, section in raw.items() if name not in ("tasks", "heads", "models")}
+    missing = [key for key in keys(raw, "") if key not in described]
+    assert not missing, f"params.yaml keys without a row in docs/params.md: {missing}"
+    assert "| `tasks.<task>.kind` |" in text and "| `heads.<task>.pooling` |" in text

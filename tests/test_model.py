@@ -1,6 +1,5 @@
 """Pooling, pair encodings, heads and the optimiser's per-layer learning rates."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -8,7 +7,7 @@ import torch
 from mtbert.model.backbone import load_encoder
 from mtbert.model.multitask import MultitaskModel
 from mtbert.model.pooling import pool
-from mtbert.params import ROUTING_DEFAULTS, load_params
+from mtbert.params import ROUTING_DEFAULTS, load_params, with_changes
 from mtbert.training.optim import make_optimizer
 from tests.conftest import REPO_ROOT, TASKS
 
@@ -57,9 +56,9 @@ def batch_for(encoding: str, labels):
 def test_every_pair_encoding_and_pooling_gives_the_right_shapes(params, encoder, pooling, encoding, combine):
     sizes = ROUTING_DEFAULTS if pooling == "routing" else {}
     heads = {
-        "sst": dataclasses.replace(params.heads["sst"], pooling=pooling, **sizes),
-        "qqp": dataclasses.replace(params.heads["qqp"], pooling=pooling, encoding=encoding, combine=combine, **sizes),
-        "sts": dataclasses.replace(params.heads["sts"], pooling=pooling, encoding=encoding, combine=combine, **sizes)}
+        "sst": with_changes(params.heads["sst"], pooling=pooling, **sizes),
+        "qqp": with_changes(params.heads["qqp"], pooling=pooling, encoding=encoding, combine=combine, **sizes),
+        "sts": with_changes(params.heads["sts"], pooling=pooling, encoding=encoding, combine=combine, **sizes)}
     model = MultitaskModel(encoder, TASKS, heads).eval()
     sst = model("sst", batch_for("cross", [1, 4]))
     qqp = model("qqp", batch_for(encoding, [0.0, 1.0]))
@@ -70,7 +69,7 @@ def test_every_pair_encoding_and_pooling_gives_the_right_shapes(params, encoder,
 
 
 def test_bi_encoder_cosine_sts_is_five_times_the_cosine(params, encoder):
-    sts = dataclasses.replace(params.heads["sts"], encoding="bi", combine="cosine", pooling="mean", target="raw")
+    sts = with_changes(params.heads["sts"], encoding="bi", combine="cosine", pooling="mean", target="raw")
     model = MultitaskModel(encoder, TASKS, {**params.heads, "sts": sts}).eval()
     batch = batch_for("bi", [0.0, 0.0])
     batch["input_ids_2"], batch["attention_mask_2"] = batch["input_ids_1"], batch["attention_mask_1"]
@@ -79,7 +78,7 @@ def test_bi_encoder_cosine_sts_is_five_times_the_cosine(params, encoder):
 
 
 def test_sts_unit_target_predicts_on_0_to_5(params, encoder):
-    model = MultitaskModel(encoder, TASKS, {**params.heads, "sts": dataclasses.replace(
+    model = MultitaskModel(encoder, TASKS, {**params.heads, "sts": with_changes(
         params.heads["sts"], encoding="cross", target="unit")}).eval()
     with torch.no_grad():
         out = model("sts", batch_for("cross", [0.0, 5.0]))
@@ -88,7 +87,7 @@ def test_sts_unit_target_predicts_on_0_to_5(params, encoder):
 
 
 def test_layerwise_lr_decay_gives_the_expected_rates(params, encoder):
-    train = dataclasses.replace(params.train, lr=1e-3, layer_decay=0.5, head_lr_mult=2.0, embedding_lr_factor=0.1)
+    train = with_changes(params.train, lr=1e-3, layer_decay=0.5, head_lr_mult=2.0, embedding_lr_factor=0.1)
     model = MultitaskModel(encoder, TASKS, params.heads)
     optimizer, _ = make_optimizer(model, 2, train, total_steps=10)
     lr_of = {}
@@ -114,7 +113,7 @@ def test_task_lr_mult_scales_only_what_its_task_alone_uses(params, tiny_backbone
     # cerbertus k = 1 on the 2-layer encoder: layer 0 and the embeddings are shared; sst's top layer is the
     # shared encoder's own, qqp and sts have copies.
     model = MultitaskModel(load_encoder(str(tiny_backbone)), TASKS, params.heads, "cerbertus", 1)
-    train = dataclasses.replace(params.train, lr=1e-3, layer_decay=0.5, head_lr_mult=2.0, embedding_lr_factor=1.0,
+    train = with_changes(params.train, lr=1e-3, layer_decay=0.5, head_lr_mult=2.0, embedding_lr_factor=1.0,
                                 task_lr_mult={"sst": 0.5, "qqp": 2.0, "sts": 3.0})
     optimizer, _ = make_optimizer(model, 2, train, total_steps=10)
     lr_of = {id(parameter): group["initial_lr"] for group in optimizer.param_groups for parameter in group["params"]}
@@ -134,6 +133,6 @@ def test_task_lr_mult_scales_only_what_its_task_alone_uses(params, tiny_backbone
 
 def test_embedding_lr_factor_zero_freezes_the_embeddings(params, tiny_backbone):
     model = MultitaskModel(load_encoder(str(tiny_backbone)), TASKS, params.heads)
-    make_optimizer(model, 2, dataclasses.replace(params.train, embedding_lr_factor=0.0), total_steps=10)
+    make_optimizer(model, 2, with_changes(params.train, embedding_lr_factor=0.0), total_steps=10)
     assert not model.encoder.embeddings.word_embeddings.weight.requires_grad
     assert model.encoder.encoder.layer[0].attention.self.query.weight.requires_grad

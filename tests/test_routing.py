@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mtbert.model.heads import RoutedHead, VectorRouting
-from mtbert.params import HeadParams, ParamsError, as_dict, check_heads, load_params, variant_params
+from mtbert.params import HeadParams, ParamsError, as_dict, check_heads, load_params, variant_params, with_changes
 from tests.conftest import REPO_ROOT, make_params
 from tests.runs import train_summary
 from tests.test_train import assert_saved_model_reproduces_its_dumps, run_paths
@@ -79,8 +79,8 @@ def test_routing_sizes_get_defaults_and_belong_to_routing_heads_only():
     with pytest.raises(ParamsError, match=r"^heads.sst.routing_dim: expected with pooling: routing only, got "
                                           r"pooling: mean$"):
         check_heads(params.tasks, {"sst": HeadParams(routing_dim=32)})
-    with pytest.raises(ParamsError, match=r"routing_vectors: expected a value >= 2, got 1"):
-        HeadParams(pooling="routing", routing_vectors=1)
+    with pytest.raises(ParamsError, match=r"routing_vectors: expected greater than or equal to 2, got 1"):
+        with_changes(HeadParams(pooling="routing"), routing_vectors=1)
 
 
 @pytest.mark.slow(reason="trains routing heads")

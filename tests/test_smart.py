@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mtbert.data.kinds import Binary, Classification, Regression
 from mtbert.model.multitask import MultitaskModel
-from mtbert.params import ParamsError, check_heads, load_params
+from mtbert.params import ParamsError, check_heads, load_params, with_changes
 from mtbert.training.objective import Objective
 from mtbert.training.smart import EmaTeacher, Perturbation, RngReplay, Smart, ascent_step, project, token_norms
 from tests.conftest import REPO_ROOT, TASKS
@@ -31,7 +29,7 @@ def params():
 def smart_params(params, **changes):
     """params.yaml's smart section with SMART on for every task, in adversarial mode, unless `changes` say."""
     every_task = {task: None for task in params.smart.task_lambda}
-    return dataclasses.replace(params.smart, **{"lambda_": 1.0, "task_lambda": every_task, "mode": "adversarial",
+    return with_changes(params.smart, **{"lambda_": 1.0, "task_lambda": every_task, "mode": "adversarial",
                                                 **changes})
 
 
@@ -153,7 +151,7 @@ def test_delta_is_added_to_word_embeddings_before_position_type_and_layernorm(mo
 
 
 def test_bi_encoder_perturbs_each_sentence(model, params, batches):
-    heads = {**params.heads, "sts": dataclasses.replace(params.heads["sts"], encoding="bi", pooling="mean")}
+    heads = {**params.heads, "sts": with_changes(params.heads["sts"], encoding="bi", pooling="mean")}
     check_heads(params.tasks, heads)
     bi_model = MultitaskModel(model.encoder, TASKS, heads).train()
     smart = make_smart(bi_model, smart_params(params))
@@ -174,7 +172,7 @@ def test_ascent_finds_a_worse_perturbation_than_random_noise_of_the_same_size(mo
     smart = make_smart(model, p)
     clean = model("sst", batches["sst"])
     adversarial, _ = smart.loss(model, "sst", lambda m: m("sst", batches["sst"]), clean, RngReplay(CPU))
-    random = make_smart(model, dataclasses.replace(p, mode="random"))
+    random = make_smart(model, with_changes(p, mode="random"))
     with words(model).applied(random._random_delta):
         noise = model.divergence("sst", model("sst", batches["sst"]), clean).mean()
     # So one radius is a much stronger regulariser in adversarial mode than in random mode.

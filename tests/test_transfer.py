@@ -159,7 +159,7 @@ def test_transfer_rows_must_name_declared_tasks_and_be_counts():
                                           r"qqp, sts$"):
         parse_params(raw)
     raw["distill"]["transfer"]["rows"] = {"sts": -1}
-    with pytest.raises(ParamsError, match=r"distill.transfer.rows.sts: expected a count >= 0, got -1"):
+    with pytest.raises(ParamsError, match=r"distill.transfer.rows.sts: expected greater than or equal to 0, got -1"):
         parse_params(raw)
     raw["distill"]["transfer"]["rows"] = {"sts": 5}
     raw["distill"]["transfer"]["neighbours"] = 1.5

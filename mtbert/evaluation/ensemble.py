@@ -18,7 +18,7 @@ import numpy as np
 from mtbert.data.tasks import Task
 from mtbert.evaluation.members import average
 from mtbert.evaluation.metrics import headline, task_metrics
-from mtbert.params import EnsembleParams
+from mtbert.params import EnsembleParams, with_changes
 
 
 @dataclasses.dataclass
@@ -101,7 +101,7 @@ def method_name(options: EnsembleParams) -> str:
 def every_method(options: EnsembleParams) -> list[EnsembleParams]:
     """The methods the ensemble stage compares, with and without snapshots, on the params' other options."""
     methods = [("uniform", "metric"), ("greedy", "metric"), ("greedy", "smooth")]
-    return [dataclasses.replace(options, method=method, criterion=kind, snapshots=snapshots)
+    return [with_changes(options, method=method, criterion=kind, snapshots=snapshots)
             for snapshots in (False, True) for method, kind in methods]
 
 
