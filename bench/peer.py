@@ -136,10 +136,10 @@ def training_arguments(run: FineTuning, task: str, output_dir: Path):
     # transformers 5 replaced group_by_length=True by train_sampling_strategy="group_by_length"
     grouping = {"group_by_length": True} if "group_by_length" in fields else \
         {"train_sampling_strategy": "group_by_length"}
-    return TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=run.p.batch_size[task],
-                             bf16=run.bf16, use_cpu=run.device.type == "cpu", learning_rate=run.p.lr,
-                             weight_decay=run.p.weight_decay, max_grad_norm=run.p.grad_clip,
-                             num_train_epochs=run.p.epochs, seed=run.p.seed, report_to="none",
+    return TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=run.train.batch_size[task],
+                             bf16=run.bf16, use_cpu=run.device.type == "cpu", learning_rate=run.train.lr,
+                             weight_decay=run.train.weight_decay, max_grad_norm=run.train.grad_clip,
+                             num_train_epochs=run.train.epochs, seed=run.train.seed, report_to="none",
                              save_strategy="no", disable_tqdm=True, **grouping)
 
 
@@ -168,7 +168,7 @@ class TrainerPeer:
         self.model, trainer.optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
         trainer.model_wrapped = self.model
         trainer.create_scheduler(num_training_steps=math.ceil(len(dataset) / args.per_device_train_batch_size)
-                                 * run.p.epochs, optimizer=trainer.optimizer)
+                                 * run.train.epochs, optimizer=trainer.optimizer)
         self.trainer, self.args, self.dataset = trainer, args, dataset
         self.takes_items = "num_items_in_batch" in inspect.signature(trainer.training_step).parameters
         fetch = getattr(trainer, "get_batch_samples", None)  # 4.46+: the loop fetches through it
@@ -240,7 +240,7 @@ def timed_plan(run: FineTuning, steps_per_task: int) -> list[tuple[str, ...]]:
     schedules one after another, as far as the run's epochs go)."""
     counts = dict.fromkeys(run.tasks, 0)
     plan = []
-    for epoch in range(run.p.epochs):
+    for epoch in range(run.train.epochs):
         for tasks in schedule(run, epoch):
             if any(counts[task] < steps_per_task for task in tasks):
                 plan.append(tasks)

@@ -107,9 +107,9 @@ def epoch_end_seconds(run: build.FineTuning) -> dict[str, float]:
 
     def predict_every(splits) -> None:
         for split in splits:
-            predict_split(run.average.model, split, run.p.eval_batch_size, run.device, run.bf16)
+            predict_split(run.average.model, split, run.train.eval_batch_size, run.device, run.bf16)
 
-    dev_only = with_changes(run.p, snapshot_test=False)
+    dev_only = with_changes(run.train, snapshot_test=False)
     run = dataclasses.replace(run, snapshot_data={
         name: build.snapshot_splits(dev_only, run.paths.tokenized, task, run.dev_data[name])
         for name, task in run.tasks.items()})
@@ -119,7 +119,7 @@ def epoch_end_seconds(run: build.FineTuning) -> dict[str, float]:
                "test predictions (train.snapshot_test)": timed(lambda: predict_every(test))}
     if run.average.separate:
         seconds["raw weights' dev pass (train.dev_raw)"] = timed(
-            lambda: evaluate(run.model, run.dev_data, run.p.eval_batch_size, run.device, run.bf16))
+            lambda: evaluate(run.model, run.dev_data, run.train.eval_batch_size, run.device, run.bf16))
     return seconds
 
 

@@ -36,7 +36,7 @@ app = typer.Typer(add_completion=False)
 
 def with_smart(run: FineTuning, smart: SmartParams) -> FineTuning:
     """The same run (model, data, optimiser) with the objective these smart.* settings choose."""
-    return dataclasses.replace(run, objective=Objective(run.model, smart, run.device, run.bf16, run.p.seed))
+    return dataclasses.replace(run, objective=Objective(run.model, smart, run.device, run.bf16, run.train.seed))
 
 
 def smart_run(run: FineTuning, steps: int, mode: str = "adversarial") -> FineTuning:

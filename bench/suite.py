@@ -109,9 +109,9 @@ class TrainConfig:
     def __init__(self, name: str, run: FineTuning, progress: Progress, *, bucket_batches: int,
                  pad_length: int | None, bf16: bool):
         self.name, self.run, self.progress, self.pad_length, self.bf16 = name, run, progress, pad_length, bf16
-        self.objective = Objective(run.model, run.params.smart, run.device, bf16, run.p.seed)
-        self.streams = {t: TaskStream(split.lengths(run.model.encoding(t)), run.p.batch_size[t],
-                                      bucket_batches, run.p.seed, i)
+        self.objective = Objective(run.model, run.params.smart, run.device, bf16, run.train.seed)
+        self.streams = {t: TaskStream(split.lengths(run.model.encoding(t)), run.train.batch_size[t],
+                                      bucket_batches, run.train.seed, i)
                         for i, (t, split) in enumerate(run.train_data.items())}
         self.reset()
 
@@ -143,9 +143,9 @@ def train_throughput(run: FineTuning, progress: Progress, steps: int, block: int
     max_length = run.params.tokenize.max_length
     configs = {
         "naive": TrainConfig("naive", run, progress, bucket_batches=1, pad_length=max_length, bf16=False),
-        "default": TrainConfig("default", run, progress, bucket_batches=run.p.bucket_batches, pad_length=None,
+        "default": TrainConfig("default", run, progress, bucket_batches=run.train.bucket_batches, pad_length=None,
                                bf16=run.bf16),
-        "default_bf16": TrainConfig("default_bf16", run, progress, bucket_batches=run.p.bucket_batches,
+        "default_bf16": TrainConfig("default_bf16", run, progress, bucket_batches=run.train.bucket_batches,
                                     pad_length=None, bf16=True),
     }
     first_tasks = [tasks[0] for tasks in schedule(run, 0)]

@@ -68,7 +68,7 @@ def main(steps: int = typer.Option(20), variant: str = typer.Option("base"),
         fed = run  # with longest_first, the same run fed each task's longest batch first
         if longest_first:
             fed = dataclasses.replace(run, streams={
-                name: LongestFirst(stream, run.row_lengths[name], run.p.batch_size[name])
+                name: LongestFirst(stream, run.row_lengths[name], run.train.batch_size[name])
                 for name, stream in run.streams.items()})
         run.model.train()
         start = time.perf_counter()
@@ -76,7 +76,7 @@ def main(steps: int = typer.Option(20), variant: str = typer.Option("base"),
             finetune.step(fed, progress, tasks)
             finetune.update(fed, progress)
         seconds_per_step = (time.perf_counter() - start) / steps
-        evaluate(run.model, run.dev_data, run.p.eval_batch_size, run.device, run.bf16)
+        evaluate(run.model, run.dev_data, run.train.eval_batch_size, run.device, run.bf16)
         progress_state.checkpoint(run, progress)  # the checkpoint saves the streams' positions
     print(json.dumps({"peak_rss_gib": round(peak_rss_gib(), 3),
                       "seconds_per_step": round(seconds_per_step, 4)}))

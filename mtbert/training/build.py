@@ -63,7 +63,7 @@ class FineTuning:
     stopwatch: Stopwatch
 
     @property
-    def p(self) -> TrainParams:
+    def train(self) -> TrainParams:
         return self.params.train
 
     @property
@@ -137,7 +137,7 @@ def epoch_schedule_for(p: TrainParams, train_data: dict[str, TaskSplit], streams
 
 def schedule(run: FineTuning, epoch: int) -> list[tuple[str, ...]]:
     """The tasks of each step of one epoch, by the sampler."""
-    return epoch_schedule_for(run.p, run.train_data, run.streams, epoch)
+    return epoch_schedule_for(run.train, run.train_data, run.streams, epoch)
 
 
 def run_fingerprint(params: Params, tokenized_dir: Path, pretrained: Path | None, world_size: int = 1) -> str:

@@ -31,12 +31,12 @@ def end_epoch(run: FineTuning, progress: Progress, live) -> None:
     dev = dev_raw = None  # the main rank evaluates; the others wait for its figures
     if run.ranks.is_main:
         dev = evaluate_and_dump(run, progress.epoch + 1)
-        if run.average.separate and run.p.dev_raw:  # the raw weights beside their moving average
-            dev_raw = evaluate(run.model, run.dev_data, run.p.eval_batch_size, run.device, run.bf16)
+        if run.average.separate and run.train.dev_raw:  # the raw weights beside their moving average
+            dev_raw = evaluate(run.model, run.dev_data, run.train.eval_batch_size, run.device, run.bf16)
     dev, dev_raw = broadcast((dev, dev_raw), run.ranks)
     record = epoch_record(run, progress, dev, dev_raw)
     progress.history.append(record)
-    chosen = chosen_epochs(progress.history, run.tasks, run.p.select)
+    chosen = chosen_epochs(progress.history, run.tasks, run.train.select)
     if record["epoch"] in chosen.values() and run.ranks.is_main:
         save_model(run.average.model, run.tokenizer, run.saved_epochs / epoch_dir(record["epoch"]), model_config(run))
     progress.epoch, progress.step_in_epoch, progress.totals = progress.epoch + 1, 0, EpochTotals.empty(run.tasks)
@@ -52,14 +52,14 @@ def evaluate_and_dump(run: FineTuning, epoch: int) -> dict:
     its predictions of the snapshot splits as dumps, the dev pass's own reused (kept with the checkpoint until
     the run ends: `dvc repro` clears a stage's outputs before it runs)."""
     directory = run.snapshot_dumps / epoch_dir(epoch)
-    model, p = run.average.model, run.p
+    model = run.average.model
     dev = {}
     for name, split in run.dev_data.items():
-        values = predict_split(model, split, p.eval_batch_size, run.device, run.bf16)
+        values = predict_split(model, split, run.train.eval_batch_size, run.device, run.bf16)
         dev[name] = task_metrics(split.task, values, split.labels)
         for split_name, data in run.snapshot_data.get(name, {}).items():
             if data is not split:
-                values = predict_split(model, data, p.eval_batch_size, run.device, run.bf16)
+                values = predict_split(model, data, run.train.eval_batch_size, run.device, run.bf16)
             write_dump(directory, data.task, split_name, data.ids, values)
     dev["overall"] = overall(dev, run.tasks)
     return dev

@@ -35,7 +35,7 @@ from mtbert.training.checkpoint import remove_checkpoint_folder
 from mtbert.training.distillation import Distillation
 from mtbert.training.distributed import average_gradients, setup_process, shard, shutdown
 from mtbert.training.epoch_end import end_epoch, log_epoch
-from mtbert.training.loop import Paths, check_finite, trainable
+from mtbert.training.loop import Paths, check_finite, clip_and_step, trainable
 from mtbert.training.objective import BatchLoss
 from mtbert.training.progress import EpochTotals, Progress, checkpoint, resume
 from mtbert.training.publish import parameter_count, publish, summary
@@ -72,12 +72,11 @@ def fine_tune(params: Params, variant: str, paths: Paths,
 
 def train(run: FineTuning, progress: Progress) -> dict:
     """From wherever `progress` is to the end: every epoch, then the model folder, dumps and metrics."""
-    p = run.p
     live = open_live(run.paths.live_dir, progress.history, log_epoch) if run.ranks.is_main else None
     log.info("%s: arch %s, %d steps per epoch, %d epochs, sampler %s, gradient %s, %s parameters, %d rank(s)",
-             run.variant, run.params.model.arch, run.steps_per_epoch, p.epochs, p.sampler, p.gradient,
-             f"{parameter_count(run.model):,}", run.ranks.world_size)
-    while progress.epoch < p.epochs:
+             run.variant, run.params.model.arch, run.steps_per_epoch, run.train.epochs, run.train.sampler,
+             run.train.gradient, f"{parameter_count(run.model):,}", run.ranks.world_size)
+    while progress.epoch < run.train.epochs:
         train_epoch(run, progress)
         end_epoch(run, progress, live)
     if live is not None:
@@ -93,7 +92,6 @@ def train(run: FineTuning, progress: Progress) -> dict:
 def train_epoch(run: FineTuning, progress: Progress) -> None:
     """The epoch's steps from wherever `progress` is: an update every grad_accum steps, a checkpoint every
     runtime.checkpoint_every.train updates (the epoch's end has its own, after the dev evaluation)."""
-    p = run.p
     epoch_steps = schedule(run, progress.epoch)
     run.model.train()
     # a context, so that an error closes the bar first and the error's one line does not run into it
@@ -104,7 +102,7 @@ def train_epoch(run: FineTuning, progress: Progress) -> None:
             step(run, progress, epoch_steps[progress.step_in_epoch])
             progress.step_in_epoch += 1
             bar.update(1)
-            if progress.step_in_epoch % p.grad_accum == 0 or progress.step_in_epoch == len(epoch_steps):
+            if progress.step_in_epoch % run.train.grad_accum == 0 or progress.step_in_epoch == len(epoch_steps):
                 update(run, progress)
                 if (progress.updates % run.params.runtime.checkpoint_every.train == 0
                         and progress.step_in_epoch < len(epoch_steps)):
@@ -117,12 +115,11 @@ def step(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> None:
     backward. Each piece's loss is scaled by its share of the global batch and by 1 / grad_accum, so the
     gradients summed over pieces, ranks and accumulated steps are the global batch's mean. With PCGrad each
     task's gradient is kept apart, and the step's end removes their conflicts."""
-    p = run.p
     for task in tasks:
         global_rows = run.streams[task].next()  # the same on every rank
-        rows = shard(global_rows, run.ranks)
-        for piece in micro_batches(rows, run.row_lengths[task], p.max_batch_tokens):
-            batch = run.train_data[task].batch(piece, run.model.encoding(task))
+        rows, encoding = shard(global_rows, run.ranks), run.model.encoding(task)
+        for piece in micro_batches(rows, run.row_lengths[task], run.train.max_batch_tokens):
+            batch = run.train_data[task].batch(piece, encoding)
             batch = {k: v.to(run.device) for k, v in batch.items()}
             loss = run.objective(run.model, task, batch)  # the task's loss plus each regulariser's, weighted
             check_finite(loss.total, f"{task} loss",
@@ -131,15 +128,15 @@ def step(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> None:
             count(progress.totals, task, piece, batch, loss, weight=len(piece) / len(rows))
             share = len(piece) * run.ranks.world_size / len(global_rows)  # of the global batch
             if run.pcgrad is None:
-                (loss.total * share / p.grad_accum).backward()  # frees the piece's activations
+                (loss.total * share / run.train.grad_accum).backward()  # frees the piece's activations
             else:
-                run.pcgrad.backward(loss.total * share / p.grad_accum)
+                run.pcgrad.backward(loss.total * share / run.train.grad_accum)
         if len(rows):
             progress.totals.batches[task] += 1
         if run.pcgrad is not None:
             run.pcgrad.end_task()
     if run.pcgrad is not None:
-        run.pcgrad.end_step(generator(p.seed, PCGRAD_ORDER, progress.epoch, progress.step_in_epoch))
+        run.pcgrad.end_step(generator(run.train.seed, PCGRAD_ORDER, progress.epoch, progress.step_in_epoch))
 
 
 def micro_batches(rows: np.ndarray, lengths: np.ndarray, max_batch_tokens: int) -> list[np.ndarray]:
@@ -170,11 +167,7 @@ def update(run: FineTuning, progress: Progress) -> None:
     step; then what follows the weights: SMART's Bregman teacher and the weights' moving average."""
     if run.pcgrad is None:  # PCGrad averaged each task's gradient over the ranks already
         average_gradients(trainable(run.model), run.ranks)
-    if run.p.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.p.grad_clip)
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    clip_and_step(run.model, run.optimizer, run.scheduler, run.train.grad_clip)
     run.objective.after_update(run.model)  # the Bregman teacher (smart.mu > 0)
     run.average.update(run.model)  # the moving average (train.ema > 0)
     progress.updates += 1

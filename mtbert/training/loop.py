@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from mtbert.runtime import UserError, peak_rss_gib
-from mtbert.training.distributed import Ranks, average_gradients
+from mtbert.training.distributed import Ranks
 
 
 class TrainingError(UserError, RuntimeError):
@@ -61,9 +61,9 @@ def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def optimizer_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float, ranks: Ranks) -> None:
-    """Average the gradients over the ranks, clip, step, zero."""
-    average_gradients(trainable(model), ranks)
+def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float) -> None:
+    """The gradients (already averaged over the ranks) clipped to a global norm (0: not clipped), the optimiser's
+    and the LR schedule's step, and the gradients freed."""
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()

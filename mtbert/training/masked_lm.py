@@ -44,8 +44,8 @@ from mtbert.training.checkpoint import (
     restore,
     save_checkpoint,
 )
-from mtbert.training.distributed import Ranks, average_tensor, broadcast, shard, sync_parameters
-from mtbert.training.loop import Paths, Stopwatch, check_finite, optimizer_step, speed
+from mtbert.training.distributed import Ranks, average_gradients, average_tensor, broadcast, shard, sync_parameters
+from mtbert.training.loop import Paths, Stopwatch, check_finite, clip_and_step, speed, trainable
 from mtbert.training.optim import LayerwiseLR, layerwise_optimizer
 
 log = logging.getLogger("pretrain")
@@ -148,7 +148,7 @@ class MaskedLM:
     stopwatch: Stopwatch
 
     @property
-    def p(self) -> PretrainParams:
+    def pretrain(self) -> PretrainParams:
         return self.params.pretrain
 
 
@@ -226,7 +226,7 @@ def resume(run: MaskedLM) -> Progress:
 # --- the loop ---------------------------------------------------------------------------------------
 def train(run: MaskedLM, progress: Progress, stop_after: int | None = None) -> dict | None:
     """Train to pretrain.steps; `stop_after` ends early after a checkpoint (as a kill would), returning None."""
-    p = run.p
+    p = run.pretrain
     log.info("masked-LM on %s sentences (%s), %d steps of %d, held-out %d dev sentences",
              f"{len(run.corpus.lengths()):,}", "+".join(p.corpus), p.steps, p.batch_size,
              sum(len(b[0]) for b in run.held_out))
@@ -260,7 +260,7 @@ def train(run: MaskedLM, progress: Progress, stop_after: int | None = None) -> d
 
 def train_step(run: MaskedLM, progress: Progress) -> None:
     """One masked batch: its loss over the chosen tokens, backward, an optimiser update."""
-    p = run.p
+    p = run.pretrain
     rows = run.stream.next()
     ids, mask = run.corpus.padded_to(rows, p.max_length)
     # Every rank masks the whole global batch (the same draws) and keeps its rows, so the masks do
@@ -275,7 +275,8 @@ def train_step(run: MaskedLM, progress: Progress) -> None:
     # The mean over all ranks' chosen tokens: weight this rank's mean by its share of them.
     mean_chosen = average_tensor(torch.tensor(float(chosen), device=run.device), run.ranks)
     (loss * (chosen / mean_chosen.clamp(min=1e-9)).item() if run.ranks.distributed else loss).backward()
-    optimizer_step(run.model, run.optimizer, run.scheduler, p.grad_clip, run.ranks)
+    average_gradients(trainable(run.model), run.ranks)
+    clip_and_step(run.model, run.optimizer, run.scheduler, p.grad_clip)
     progress.step += 1
     progress.totals.loss_sum += loss.item()
     progress.totals.batches += 1
@@ -346,7 +347,7 @@ def save_trained_encoder(run: MaskedLM) -> None:
         raise RuntimeError(f"masked-LM encoder does not match the backbone: missing {missing}, "
                            f"unexpected {unexpected}")
     save_encoder(encoder, run.tokenizer, run.paths.model_out,
-                 {"backbone": params.model.name, "pretrained": True, "pretrain": as_dict(run.p),
+                 {"backbone": params.model.name, "pretrained": True, "pretrain": as_dict(run.pretrain),
                   "head_from_checkpoint": run.head_from_checkpoint})
 
 

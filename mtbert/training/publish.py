@@ -41,8 +41,8 @@ def parameter_count(model: torch.nn.Module) -> int:
 
 def summary(run: FineTuning, progress: Progress) -> dict:
     history = progress.history
-    task_epochs = chosen_epochs(history, run.tasks, run.p.select)
-    return {"variant": run.variant, "select": run.p.select, "task_epochs": task_epochs,
+    task_epochs = chosen_epochs(history, run.tasks, run.train.select)
+    return {"variant": run.variant, "select": run.train.select, "task_epochs": task_epochs,
             "dev": chosen_metrics(history, run.tasks, task_epochs),
             "epochs": [{"epoch": r["epoch"], "dev": r["dev"], "train_loss": r["train_loss"],
                         "task_batches": r["task_batches"], "examples": r["examples"],
@@ -50,5 +50,5 @@ def summary(run: FineTuning, progress: Progress) -> dict:
                         **({"regularisers": r["regularisers"]} if r["regularisers"] else {})}
                        for r in history],
             "parameters": parameter_count(run.model),
-            "speed": speed(run.stopwatch.seconds, run.ranks, run.bf16, run.steps_per_epoch * run.p.epochs,
+            "speed": speed(run.stopwatch.seconds, run.ranks, run.bf16, run.steps_per_epoch * run.train.epochs,
                            sum(r["examples"] for r in history), sum(r["tokens"] for r in history))}
