@@ -360,6 +360,10 @@ class RuntimeParams(Section):
     changing them re-runs nothing and resume checkpoints stay valid (docs/performance.md)."""
     threads: Count = Field(description="CPU threads per stage, shared among its processes; 0: torch's default.")
     checkpoint_every: CheckpointEvery = Field(description="Optimiser steps between resume checkpoints.")
+    check_every: PositiveInt = Field(description="Fine-tuning steps between the host's reads of the device's "
+                                                 "losses for non-finite values (each checkpoint and epoch end "
+                                                 "reads them too); in between, a GPU step never waits for the "
+                                                 "host.")
     onednn_cache: Count = Field(description="oneDNN kernels kept, one per op and shape (bf16 only); 0: oneDNN's "
                                             "default (1024).")
     malloc_threshold_mb: Count = Field(description="glibc's mmap and trim threshold; 0: glibc's adaptive "

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from mtbert.params import variant_params
+from mtbert.params import variant_params, with_changes
 from mtbert.training import finetune
-from mtbert.training.loop import Paths, TrainingError
+from mtbert.training.loop import FiniteWatch, Paths, TrainingError
 from mtbert.training.progress import FineTuningCheckpoint, Progress
 from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params, saved_heads
 from tests.runs import prepared, result_of, run_training, train_command, train_summary
@@ -60,8 +60,11 @@ def test_model_folder_reloads_with_transformers(tmp_path, training_params, tiny_
         assert AutoTokenizer.from_pretrained(encoder)("a film")["input_ids"][0] == 101
 
 
-def test_non_finite_loss_stops_naming_step_and_task(tmp_path, training_params, tiny_tokenized, monkeypatch):
+@pytest.mark.parametrize("check_every", [1, 50])  # every step, or only before the checkpoint after update 6
+def test_non_finite_loss_stops_naming_step_and_task(tmp_path, training_params, tiny_tokenized, monkeypatch,
+                                                    check_every):
     params = variant_params(training_params, "base")
+    params = params.model_copy(update={"runtime": with_changes(params.runtime, check_every=check_every)})
     paths = Paths(tokenized=tiny_tokenized, model_out=tmp_path / "m", metrics_out=tmp_path / "m.json",
                   live_dir=tmp_path / "live", checkpoints=tmp_path / "ck")
     prepared_run = prepared(params, paths)
@@ -77,8 +80,21 @@ def test_non_finite_loss_stops_naming_step_and_task(tmp_path, training_params, t
     monkeypatch.setattr(model, "loss", poisoned_loss)
     with pytest.raises(TrainingError, match=r"non-finite (sst|qqp|sts) loss \(nan\) at epoch 1 step 5"):
         prepared_run.train()
-    assert (tmp_path / "ck" / "last.pt").exists()  # written after update 3, before the bad step
+    saved = torch.load(tmp_path / "ck" / "last.pt", weights_only=False)
+    assert json.loads(saved["progress"])["updates"] == 3  # written after update 3, before the bad step
     assert not (tmp_path / "m.json").exists()
+
+
+def test_the_finite_watch_reads_every_pending_loss_at_once_and_names_the_first_bad_one(tmp_path):
+    watch = FiniteWatch(tmp_path, "Lower train.lr.")
+    watch.add(torch.tensor(0.5), "sst loss", "at step 1")
+    watch.check()
+    assert watch.pending == []
+    for value, where in ((0.25, "at step 2"), (float("inf"), "at step 3"), (float("nan"), "at step 4")):
+        watch.add(torch.tensor(value, dtype=torch.bfloat16), "qqp loss", where)
+    with pytest.raises(TrainingError, match=rf"^non-finite qqp loss \(inf\) at step 3; the last good checkpoint is "
+                                            rf"kept in {tmp_path}\. Lower train.lr\.$"):
+        watch.check()
 
 
 def test_bf16_autocast_trains_on_cpu(tmp_path, tiny_backbone, tiny_tokenized):

@@ -23,7 +23,7 @@ from mtbert.runtime import use_bf16
 from mtbert.training.averaging import MovingAverage, NoAverage, weight_average
 from mtbert.training.distillation import Distillation
 from mtbert.training.distributed import Ranks, sync_parameters
-from mtbert.training.loop import Paths, Stopwatch, trainable
+from mtbert.training.loop import FiniteWatch, Paths, Stopwatch, trainable
 from mtbert.training.objective import Objective, gold_loss
 from mtbert.training.optim import make_optimizer
 from mtbert.training.pcgrad import PCGrad
@@ -61,6 +61,7 @@ class FineTuning:
     average: MovingAverage | NoAverage
     steps_per_epoch: int
     stopwatch: Stopwatch
+    finite: FiniteWatch  # the step's losses, checked for non-finite values without waiting for the device
 
     @property
     def train(self) -> TrainParams:
@@ -109,7 +110,8 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
     pcgrad = PCGrad(trainable(model), ranks, device) if p.gradient == "pcgrad" else None
     return FineTuning(params, variant, paths, fingerprint, ranks, device, bf16, tasks, load_tokenizer(start), model,
                       train_data, dev_data, snapshot_data, row_lengths, streams, optimizer, scheduler, objective,
-                      pcgrad, average, steps, Stopwatch())
+                      pcgrad, average, steps, Stopwatch(),
+                      FiniteWatch(paths.checkpoints, "Lower train.lr or turn off train.bf16."))
 
 
 def snapshot_splits(p: TrainParams, tokenized: Path, task: Task, dev: TaskSplit) -> dict[str, TaskSplit]:

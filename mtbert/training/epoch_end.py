@@ -67,7 +67,7 @@ def evaluate_and_dump(run: FineTuning, epoch: int) -> dict:
 
 def epoch_record(run: FineTuning, progress: Progress, dev: dict, dev_raw: dict | None) -> dict:
     """The finished epoch's record (all ranks' figures), logged."""
-    totals, epoch = sum_over_ranks(progress.totals, run.ranks, run.device), progress.epoch + 1
+    totals, epoch = sum_over_ranks(progress.totals.settle(), run.ranks, run.device), progress.epoch + 1
     record = {"epoch": epoch, "dev": dev,
               "train_loss": {name: totals.loss_sum[name] / max(totals.batches[name], 1) for name in run.tasks},
               "task_batches": dict(totals.batches), "examples": totals.examples, "tokens": totals.tokens,

@@ -35,7 +35,7 @@ from mtbert.training.checkpoint import remove_checkpoint_folder
 from mtbert.training.distillation import Distillation
 from mtbert.training.distributed import average_gradients, setup_process, shard, shutdown
 from mtbert.training.epoch_end import end_epoch, log_epoch
-from mtbert.training.loop import Paths, check_finite, clip_and_step, trainable
+from mtbert.training.loop import Paths, clip_and_step, trainable
 from mtbert.training.objective import BatchLoss
 from mtbert.training.progress import EpochTotals, Progress, checkpoint, resume
 from mtbert.training.publish import parameter_count, publish, summary
@@ -102,11 +102,15 @@ def train_epoch(run: FineTuning, progress: Progress) -> None:
             step(run, progress, epoch_steps[progress.step_in_epoch])
             progress.step_in_epoch += 1
             bar.update(1)
+            if progress.step_in_epoch % run.params.runtime.check_every == 0:
+                run.finite.check()  # the host's one wait for the device in these steps
             if progress.step_in_epoch % run.train.grad_accum == 0 or progress.step_in_epoch == len(epoch_steps):
                 update(run, progress)
                 if (progress.updates % run.params.runtime.checkpoint_every.train == 0
                         and progress.step_in_epoch < len(epoch_steps)):
+                    run.finite.check()  # never a checkpoint of spoiled weights
                     checkpoint(run, progress)
+        run.finite.check()
         run.stopwatch.stop()
 
 
@@ -120,12 +124,12 @@ def step(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> None:
         rows, encoding = shard(global_rows, run.ranks), run.model.encoding(task)
         for piece in micro_batches(rows, run.row_lengths[task], run.train.max_batch_tokens):
             batch = run.train_data[task].batch(piece, encoding)
+            tokens = padding_free_tokens(batch)  # counted on the host, before the copy
             batch = {k: v.to(run.device) for k, v in batch.items()}
             loss = run.objective(run.model, task, batch)  # the task's loss plus each regulariser's, weighted
-            check_finite(loss.total, f"{task} loss",
-                         f"at epoch {progress.epoch + 1} step {progress.step_in_epoch + 1}", run.paths.checkpoints,
-                         "Lower train.lr or turn off train.bf16.")
-            count(progress.totals, task, piece, batch, loss, weight=len(piece) / len(rows))
+            run.finite.add(loss.total, f"{task} loss",
+                           f"at epoch {progress.epoch + 1} step {progress.step_in_epoch + 1}")
+            count(progress.totals, task, len(piece), tokens, loss, weight=len(piece) / len(rows))
             share = len(piece) * run.ranks.world_size / len(global_rows)  # of the global batch
             if run.pcgrad is None:
                 (loss.total * share / run.train.grad_accum).backward()  # frees the piece's activations
@@ -149,12 +153,16 @@ def micro_batches(rows: np.ndarray, lengths: np.ndarray, max_batch_tokens: int) 
     return np.array_split(rows, min(len(rows), math.ceil(padded_tokens / max_batch_tokens)))
 
 
-def count(totals: EpochTotals, task: str, rows: np.ndarray, batch: dict[str, torch.Tensor], result: BatchLoss,
-          weight: float) -> None:
-    """Add a piece's figures to the epoch's sums; `weight` is its share of this rank's batch."""
-    totals.loss_sum[task] += result.task_loss * weight
-    totals.examples += len(rows)
-    totals.tokens += int(sum(v.sum() for k, v in batch.items() if k.startswith("attention_mask")))
+def padding_free_tokens(batch: dict[str, torch.Tensor]) -> int:
+    return int(sum(v.sum() for k, v in batch.items() if k.startswith("attention_mask")))
+
+
+def count(totals: EpochTotals, task: str, examples: int, tokens: int, result: BatchLoss, weight: float) -> None:
+    """Add a piece's figures to the epoch's sums; `weight` is its share of this rank's batch. The loss is
+    summed on the device (in float64, as the host summed it), so that the step never waits for it."""
+    totals.loss_sum[task] = totals.loss_sum[task] + result.task_loss.double() * weight
+    totals.examples += examples
+    totals.tokens += tokens
     for name in REGULARISERS:
         value = getattr(result, name)
         if value is not None:

@@ -71,6 +71,30 @@ def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float
     optimizer.zero_grad(set_to_none=True)
 
 
+class FiniteWatch:
+    """Non-finite losses, caught without making the step wait for the device: each piece's loss is kept (a
+    0-dim tensor on the device) and `check` reads them all in one transfer. The loop checks every
+    runtime.check_every steps, before every checkpoint and at the epoch's end, so a non-finite loss still
+    stops the run, naming its task and step, before any checkpoint holds the weights it spoiled."""
+
+    def __init__(self, checkpoints: Path, hint: str):
+        self.checkpoints, self.hint = checkpoints, hint
+        self.pending: list[tuple[torch.Tensor, str, str]] = []
+
+    def add(self, loss: torch.Tensor, what: str, where: str) -> None:
+        self.pending.append((loss.detach().float(), what, where))
+
+    def check(self) -> None:
+        if not self.pending:
+            return
+        finite = torch.isfinite(torch.stack([loss for loss, _, _ in self.pending])).tolist()  # the one read
+        pending, self.pending = self.pending, []
+        for ok, (loss, what, where) in zip(finite, pending, strict=True):
+            if not ok:
+                raise TrainingError(f"non-finite {what} ({loss.item()}) {where}; the last good checkpoint is kept "
+                                    f"in {self.checkpoints}. {self.hint}")
+
+
 def check_finite(loss: torch.Tensor, what: str, where: str, checkpoints: Path, hint: str) -> None:
     """Stop on a non-finite loss, keeping the last good checkpoint."""
     if not torch.isfinite(loss):

@@ -23,7 +23,7 @@ from mtbert.training.smart import EmaTeacher, Forward, RngReplay, Smart, dropout
 @dataclasses.dataclass
 class BatchLoss:
     total: torch.Tensor  # what to backpropagate
-    task_loss: float
+    task_loss: torch.Tensor  # detached, on the device: reading it would make the step wait
     smart_loss: float | None = None  # the batch-mean divergence, before lambda
     bregman_loss: float | None = None  # before mu
     delta_ratio: float | None = None  # mean over tokens of ||delta_t|| / ||x_t||, in smart.norm
@@ -108,7 +108,7 @@ class Objective:
         replay = RngReplay(self.device) if self.terms else None
         outputs = self.forward(model, task, batch)
         loss = self.task_loss(model, task, outputs, batch)
-        result = BatchLoss(total=loss, task_loss=loss.item())
+        result = BatchLoss(total=loss, task_loss=loss.detach())
         terms = [term for term in self.terms if term.weight(task) > 0]
         if terms:
             self._add_terms(terms, model, task, batch, outputs, replay, result)

@@ -27,6 +27,12 @@ class EpochTotals:
     def empty(cls, tasks) -> EpochTotals:
         return cls(loss_sum={name: 0.0 for name in tasks}, batches={name: 0 for name in tasks})
 
+    def settle(self) -> EpochTotals:
+        """The loss sums, which the steps keep on the device, read as numbers (for a checkpoint or the epoch's
+        record)."""
+        self.loss_sum = {name: float(value) for name, value in self.loss_sum.items()}
+        return self
+
 
 @dataclasses.dataclass
 class Progress:
@@ -64,6 +70,7 @@ def checkpoint(run: FineTuning, progress: Progress) -> None:
     """Write the state atomically (the main rank; every rank contributes its RNG); not training time."""
     with run.stopwatch.paused():
         progress.train_seconds = run.stopwatch.seconds
+        progress.totals.settle()
         state = FineTuningCheckpoint(
             fingerprint=run.fingerprint, progress=progress, model=run.model.state_dict(),
             optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
