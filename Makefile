@@ -1,12 +1,13 @@
 # `make repro`: install, pull the data and run the pipeline.  `make test`: install and run the tests.
 # `make check`: lint and the fast tests only (those not marked slow), the loop to run after each edit.
+# `make members`: on a GPU, every ensemble member's training at once (docs/distributed.md).
 # Both create .venv on first use; later runs reuse it and reinstall only when pyproject.toml changes.
 PYTHON ?= python3
 VENV := .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: install repro test check lint results
+.PHONY: install repro members test check lint results
 
 install: $(VENV)/.installed
 
@@ -19,6 +20,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 repro: install
 	dvc pull data/raw.dvc
 	dvc repro
+
+members: install  # on a GPU: every member's training at once, then `make repro` goes on (docs/distributed.md)
+	dvc pull data/raw.dvc
+	python -m mtbert.members
 
 lint: install
 	ruff check mtbert stages tests bench

@@ -58,6 +58,7 @@ def timed_steps(run: FineTuning, progress: Progress, steps: list[tuple[str, ...]
         started = time.perf_counter()
         step(run, progress, tasks)
         update(run, progress)
+        run.finite.check()  # reads the step's losses: on a GPU, waits for the step to finish
         seconds.append(time.perf_counter() - started)
     return seconds
 

@@ -75,6 +75,7 @@ def main(steps: int = typer.Option(20), variant: str = typer.Option("base"),
         for tasks in schedule:
             finetune.step(fed, progress, tasks)
             finetune.update(fed, progress)
+        fed.finite.check()  # reads the steps' losses: on a GPU, waits for the last step to finish
         seconds_per_step = (time.perf_counter() - start) / steps
         evaluate(run.model, run.dev_data, run.train.eval_batch_size, run.device, run.bf16)
         progress_state.checkpoint(run, progress)  # the checkpoint saves the streams' positions

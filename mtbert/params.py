@@ -362,8 +362,7 @@ class RuntimeParams(Section):
     checkpoint_every: CheckpointEvery = Field(description="Optimiser steps between resume checkpoints.")
     check_every: PositiveInt = Field(description="Fine-tuning steps between the host's reads of the device's "
                                                  "losses for non-finite values (each checkpoint and epoch end "
-                                                 "reads them too); in between, a GPU step never waits for the "
-                                                 "host.")
+                                                 "reads them too); in between, the host never waits for a GPU.")
     onednn_cache: Count = Field(description="oneDNN kernels kept, one per op and shape (bf16 only); 0: oneDNN's "
                                             "default (1024).")
     malloc_threshold_mb: Count = Field(description="glibc's mmap and trim threshold; 0: glibc's adaptive "
@@ -586,7 +585,8 @@ def parse_section(cls: type[Section], raw: Any, key: str, *, source: str = "para
 
 
 def with_changes(section: Section, **changes: Any) -> Any:
-    """A copy of a section with some knobs changed (by field name, e.g. `lambda_`), validated again."""
+    """A copy of a section with some knobs changed (by field name, e.g. `lambda_`), validated again. A
+    per-task knob takes its resolved form here, {task: value} for every task."""
     try:
         return type(section).model_validate({**dict(section), **changes}, by_name=True)
     except ValidationError as error:

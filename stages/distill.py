@@ -17,6 +17,7 @@ With distill.enabled false it writes those outputs saying the student was skippe
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import sys
@@ -108,18 +109,22 @@ def main(student: str = typer.Option(..., "--student", help="a key of distill.st
     run, summary = finetune.fine_tune(own, student, paths, distillation)
     if not run.ranks.is_main:
         return
+    device, transfer_rows = run.device, {name: len(rows) for name, (rows, _) in distillation.transfer.items()}
+    # The training's weights, optimiser state, data and teacher go before the model is loaded again for its
+    # dumps: held beside it, they made this process the run's memory peak.
+    del run, distillation
+    gc.collect()
     members = ensemble_members(ensemble_file, tasks)
     record = {"variant": distill.variant, "seed": own.train.seed, "alpha": distill.alpha,
-              "temperature": distill.temperature,
-              "transfer": {name: len(rows) for name, (rows, _) in distillation.transfer.items()},
+              "temperature": distill.temperature, "transfer": transfer_rows,
               "transfer_weight": distill.transfer.weight,
               "members": {name: {m: order.count(m) for m in dict.fromkeys(order)} for name, order in members.items()}}
     describe_student(outputs.model, summary, own, record)
     model, _ = load_model(outputs.model)
-    model.to(run.device)
+    model.to(device)
     with io.atomic_dir(outputs.dumps) as temp:  # as predict's dumps of a variant
         dev = write_predictions(model, ("dev", "test"), tokenized_dir, rejects_file, temp, own.predict.batch_size,
-                                run.device, use_bf16(own.predict.bf16, run.device))
+                                device, use_bf16(own.predict.bf16, device))
     io.write_metrics(outputs.metrics, {**dev, "distill": record})
     log.info("%s dev: overall %.4f  %s", student, dev["overall"], headline_summary(dev, tasks))
 

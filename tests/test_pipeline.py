@@ -191,6 +191,26 @@ def test_params_that_do_not_change_results_rerun_nothing(repo):
         params_file.write_text(original)
 
 
+def test_members_train_at_once_and_repro_goes_on_from_them(repo, tmp_path):
+    """`make members` (python -m mtbert.members) on a copy where one member's params changed: it retrains in
+    a process of its own, the others are left alone, dvc.lock records it, and `dvc repro` does not train it
+    again."""
+    copy = tmp_path / "repo"
+    shutil.copytree(repo, copy, symlinks=True)
+    params = yaml.safe_load((copy / "params.yaml").read_text())
+    params["models"]["meanpool"]["train"]["seed"] = 2  # one member changes; the others stay up to date
+    (copy / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
+    result = subprocess.run([sys.executable, "-m", "mtbert.members"], cwd=copy, env=env, capture_output=True,
+                            text=True)  # dvc through the same interpreter, as mtbert.members runs it
+    assert result.returncode == 0, result.stderr
+    assert "training meanpool at once" in result.stderr
+    assert json.loads((copy / "metrics" / "train" / "meanpool.json").read_text())["epochs"]
+    assert "train@" not in dvc(copy, "status", "train@plain", "train@meanpool", "train@plain-seed1")
+    repro = dvc(copy, "repro")
+    assert "Running stage 'train@" not in repro and "Running stage 'predict@meanpool'" in repro
+
+
 def test_seed_statistics_group_the_seeds_and_compare_the_groups(repo):
     stats = json.loads((repo / "metrics" / "stats.json").read_text())
     assert {group: entry["variants"] for group, entry in stats["groups"].items()} == {
