@@ -56,8 +56,9 @@ def main() -> None:
     if not todo:
         log.info("every member is up to date")
         return
-    log.info("training %s at once", ", ".join(todo))
-    failed = train_at_once([stage.removeprefix("train@") for stage in todo])
+    variants = [stage.removeprefix("train@") for stage in todo]
+    log.info("training %s at once", ", ".join(variants))
+    failed = train_at_once(variants)
     done = [stage for stage in todo if stage.removeprefix("train@") not in failed]
     if done:  # a finished run has removed its checkpoint: record it now, or it would train again
         dvc("commit", "--force", *done)
