@@ -7,8 +7,9 @@
    run_glue way, on the same batches' examples (bench/peer.py), per task and over an epoch's mix, and
    each side's padding over an epoch of its own batches;
 1b. the same of the default variant against the naive loop of the common GLUE example scripts: every
-   batch padded to tokenize.max_length, fp32, no length bucketing; and with bf16 autocast on top of the
-   defaults;
+   batch padded to tokenize.max_length, fp32, no length bucketing; with bf16 autocast on top of the
+   defaults; and with the GPU's static shapes (runtime.pad_to_multiple's cuda value) on this CPU, which is
+   what that padding would cost here;
 2. useful training FLOP/s (6 x the non-embedding parameters an example goes through x non-padding tokens)
    as a fraction of this machine's matmul peak in the precision the configuration ran in, measured here:
    the big-square peak, and the peak at the model's own shapes (a typical batch's padded rows by the
@@ -107,8 +108,9 @@ class TrainConfig:
     """One way of feeding the training run: its batch streams, padding rule and precision."""
 
     def __init__(self, name: str, run: FineTuning, progress: Progress, *, bucket_batches: int,
-                 pad_length: int | None, bf16: bool):
+                 pad_length: int | None, bf16: bool, pad_multiple: int = 1):
         self.name, self.run, self.progress, self.pad_length, self.bf16 = name, run, progress, pad_length, bf16
+        self.pad_multiple = pad_multiple
         self.objective = Objective(run.model, run.params.smart, run.device, bf16, run.train.seed)
         self.streams = {t: TaskStream(split.lengths(run.model.encoding(t)), run.train.batch_size[t],
                                       bucket_batches, run.train.seed, i)
@@ -120,7 +122,7 @@ class TrainConfig:
 
     def step(self, task: str) -> None:
         rows = self.streams[task].next()
-        batch = self.run.train_data[task].batch(rows, self.run.model.encoding(task))
+        batch = self.run.train_data[task].batch(rows, self.run.model.encoding(task), self.pad_multiple)
         if self.pad_length is not None:
             batch = pad_to(batch, self.pad_length)
         started = time.perf_counter()
@@ -147,6 +149,9 @@ def train_throughput(run: FineTuning, progress: Progress, steps: int, block: int
                                bf16=run.bf16),
         "default_bf16": TrainConfig("default_bf16", run, progress, bucket_batches=run.train.bucket_batches,
                                     pad_length=None, bf16=True),
+        "default_static": TrainConfig("default_static", run, progress, bucket_batches=run.train.bucket_batches,
+                                      pad_length=None, bf16=run.bf16,
+                                      pad_multiple=run.params.runtime.pad_to_multiple.cuda),
     }
     first_tasks = [tasks[0] for tasks in schedule(run, 0)]
     for config in configs.values():  # warm-up, then reset the counters
@@ -248,7 +253,8 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
     with tempfile.TemporaryDirectory() as scratch:
         run, progress = scratch_run(params, variant, tokenized_dir, Path(scratch))
         run.model.train()
-        print(f"training: naive / default / default+bf16, {train_steps} steps each ...", flush=True)
+        print(f"training: naive / default / default+bf16 / default with static shapes, {train_steps} steps each ...",
+              flush=True)
         configs = train_throughput(run, progress, train_steps, block)
         figures["train"] = {name: config.figures() for name, config in configs.items()}
         flops = 6 * non_embedding_parameters(run)
@@ -261,7 +267,10 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
             figures["train"][name]["fraction_of_peak"] = round(useful / figures["matmul_gflops"][precision], 3)
         naive = figures["train"]["naive"]["examples_per_second"]
         figures["train_speedup"] = {name: round(figures["train"][name]["examples_per_second"] / naive, 2)
-                                    for name in ("default", "default_bf16")}
+                                    for name in ("default", "default_bf16", "default_static")}
+        static, default_speed = figures["train"]["default_static"], figures["train"]["default"]["examples_per_second"]
+        figures["static_shapes"] = {"multiple": configs["default_static"].pad_multiple,
+                                    "over_default": round(static["examples_per_second"] / default_speed, 3)}
         default, encoder = configs["default"], run.model.encoder.config
         rows = max(1, round(default.padded / default.steps))  # a typical step's padded tokens
         print(f"matmul peak at the model's shapes ({rows} rows x {encoder.hidden_size}, "
@@ -347,14 +356,17 @@ def report(f: dict) -> None:
               f"{s['hidden']}x{s['intermediate']} {s[precision]['ffn_up']}, "
               f"{s['intermediate']}x{s['hidden']} {s[precision]['ffn_down']}; "
               f"a layer's mix {s[precision]['layer']} GFLOP/s")
-    for name in ("naive", "default", "default_bf16"):
-        print(f"train {name:13s} {t[name]['examples_per_second']:7.1f} examples/s "
+    for name in ("naive", "default", "default_bf16", "default_static"):
+        print(f"train {name:14s} {t[name]['examples_per_second']:7.1f} examples/s "
               f"{t[name]['tokens_per_second']:8.0f} tokens/s  {t[name]['useful_gflops']:6.1f} useful GFLOP/s "
               f"= {t[name]['fraction_of_peak']:.1%} of the {t[name]['precision']} peak, "
               f"{t[name]['fraction_of_shape_peak']:.1%} of its peak at the model's shapes")
     for name in ("default", "default_bf16"):
         print(f"1b. train speed-up {name} / naive loop: {f['train_speedup'][name]:.2f}x "
               f"{verdict(f['train_speedup'][name], TARGETS['train_speedup'], True)}")
+    static = f["static_shapes"]
+    print(f"1c. widths padded to multiples of {static['multiple']} (the GPU's static shapes) on this CPU: "
+          f"{static['over_default']:.3f}x the default's examples/s")
     # the defaults' figure: a forced bf16 on a CPU that emulates it beats its own (meaningless) peak
     fraction, shaped = t["default"]["fraction_of_peak"], t["default"]["fraction_of_shape_peak"]
     print(f"2. defaults' fraction of the {t['default']['precision']} matmul peak: {fraction:.1%} "

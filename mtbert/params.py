@@ -355,6 +355,16 @@ class CheckpointEvery(Section):
     pretrain: PositiveInt = Field(description="Of `pretrain`.")
 
 
+class PadToMultiple(Section):
+    """A training batch's width: its longest row rounded up to a multiple of this, per device."""
+    cpu: PositiveInt = Field(description="On a CPU (1: the longest row's, the fastest there).")
+    cuda: PositiveInt = Field(description="On a GPU: a few static shapes, each captured once.")
+
+    def on(self, device_type: str) -> int:
+        """The multiple for a torch device type ("cpu", "cuda")."""
+        return self.cuda if device_type == "cuda" else self.cpu
+
+
 class RuntimeParams(Section):
     """How fast and how safely a stage runs, never what it computes: dvc.yaml tracks none of these keys, so
     changing them re-runs nothing and resume checkpoints stay valid (docs/performance.md)."""
@@ -363,6 +373,9 @@ class RuntimeParams(Section):
     check_every: PositiveInt = Field(description="Fine-tuning steps between the host's reads of the device's "
                                                  "losses for non-finite values (each checkpoint and epoch end "
                                                  "reads them too); in between, the host never waits for a GPU.")
+    pad_to_multiple: PadToMultiple = Field(description="Training batches padded to a multiple of this many tokens. "
+                                                       "Only the dropout masks' draws change (one per padded "
+                                                       "position), as they do on another device.")
     onednn_cache: Count = Field(description="oneDNN kernels kept, one per op and shape (bf16 only); 0: oneDNN's "
                                             "default (1024).")
     malloc_threshold_mb: Count = Field(description="glibc's mmap and trim threshold; 0: glibc's adaptive "

@@ -1,9 +1,10 @@
 from collections import Counter
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
-from mtbert.data.batches import bucketed_batches
+from mtbert.data.batches import TokenColumn, bucketed_batches
 from mtbert.data.sampling import TaskStream, epoch_schedule, sampling_weights
 
 SIZES = {"sst": 8000, "qqp": 14000, "sts": 6000}
@@ -101,15 +102,19 @@ def test_stream_resumes_at_its_saved_position():
 
 
 def test_token_column_of_a_sliced_table_pads_the_right_rows():
-    import pyarrow as pa
-
-    from mtbert.data.batches import TokenColumn
-
     table = pa.table({"ids": pa.array([[1], [2, 3], [4, 5, 6], [7]], pa.list_(pa.int32()))}).slice(1, 2)
     column = TokenColumn.from_arrow(table.column("ids"))
     ids, mask = column.padded(np.array([0, 1]))
     assert ids.tolist() == [[2, 3, 0], [4, 5, 6]]
     assert mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+
+
+def test_a_static_shape_pads_to_the_next_multiple_and_masks_the_padding():
+    column = TokenColumn.from_arrow(pa.chunked_array([pa.array([[1, 2, 3, 4, 5], [6]], pa.list_(pa.int32()))]))
+    ids, mask = column.padded(np.array([0, 1]), multiple=4)
+    assert ids.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0], [6, 0, 0, 0, 0, 0, 0, 0]]
+    assert mask.tolist() == [[1] * 5 + [0] * 3, [1] + [0] * 7]
+    assert column.padded(np.array([0]), multiple=5)[0].shape == (1, 5)  # already a multiple: no extra column
 
 
 def test_round_robin_smallest_gives_every_task_the_smallest_tasks_batches_in_turn():

@@ -12,7 +12,7 @@ from mtbert.params import variant_params, with_changes
 from mtbert.training import finetune
 from mtbert.training.loop import FiniteWatch, Paths, TrainingError
 from mtbert.training.progress import FineTuningCheckpoint, Progress
-from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params, saved_heads
+from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params, recorded_forwards, saved_heads
 from tests.runs import prepared, result_of, run_training, train_command, train_summary
 
 
@@ -104,6 +104,32 @@ def test_bf16_autocast_trains_on_cpu(tmp_path, tiny_backbone, tiny_tokenized):
     summary = train_summary(variant_params(params_file, "base"), "base", paths)
     assert all(np.isfinite(loss) for loss in summary["epochs"][0]["train_loss"].values())
     assert -1.0 <= summary["dev"]["sts"]["pearson"] <= 1.0
+
+
+def test_static_shapes_pad_every_training_batch_and_change_nothing_but_dropout(tmp_path, dropout_free_backbone,
+                                                                               tiny_tokenized):
+    """runtime.pad_to_multiple: every training batch is a multiple of it wide; with dropout off, the padded run
+    trains the same network as the unpadded one, because the padding is masked out."""
+    summaries, widths = {}, {}
+    for multiple in (1, 16):
+        root = tmp_path / f"pad{multiple}"
+        root.mkdir()
+        params_file = make_params(root, dropout_free_backbone, Path("unused"), train={"epochs": 1},
+                                  runtime={"pad_to_multiple": {"cpu": multiple}})
+        with recorded_forwards(training_width) as seen:
+            params = variant_params(params_file, "base")
+            summaries[multiple] = train_summary(params, "base", run_paths(root, tiny_tokenized))
+        widths[multiple] = seen
+    assert widths[16] and all(width % 16 == 0 for width in widths[16])
+    assert any(width % 16 for width in widths[1])  # the data has batches that the rule pads
+    for task, loss in summaries[1]["epochs"][0]["train_loss"].items():
+        assert summaries[16]["epochs"][0]["train_loss"][task] == pytest.approx(loss, rel=1e-4), task
+    assert summaries[16]["dev"]["overall"] == pytest.approx(summaries[1]["dev"]["overall"], abs=1e-4)
+
+
+def training_width(module: torch.nn.Module, output: torch.Tensor) -> int | None:
+    """The width (tokens) of a training batch, seen at the embeddings' output."""
+    return output.shape[1] if module.training and type(module).__name__ == "BertEmbeddings" else None
 
 
 def run_paths(root: Path, tokenized: Path) -> Paths:

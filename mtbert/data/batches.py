@@ -1,7 +1,8 @@
 """Tokenized splits in memory, length-bucketed batches and dynamic padding.
 
 Token lists stay as Arrow's flat values + offsets (no Python object per example); a batch is cut out
-and padded only to its own longest member.
+and padded only to its own longest member, or (`multiple` > 1) up to the next multiple of `multiple`, so
+that a GPU sees a few static shapes (runtime.pad_to_multiple).
 """
 
 from __future__ import annotations
@@ -59,11 +60,11 @@ class TokenColumn:
         ids[cut, max_length - 1] = torch.from_numpy(self.values[self.offsets[rows + 1] - 1])[cut]
         return ids, mask
 
-    def padded(self, rows: np.ndarray, pad_value: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, attention mask), each (len(rows), longest row)."""
+    def padded(self, rows: np.ndarray, pad_value: int = 0, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, attention mask), each (len(rows), the longest row rounded up to a multiple of `multiple`)."""
         starts, ends = self.offsets[rows], self.offsets[rows + 1]
         lengths = ends - starts
-        width = int(lengths.max())
+        width = -(-int(lengths.max()) // multiple) * multiple
         positions = np.arange(width)
         mask = positions[None, :] < lengths[:, None]
         gather = np.where(mask, starts[:, None] + positions[None, :], 0)
@@ -88,17 +89,26 @@ class TaskSplit:
             return np.maximum(self.tokens["input_ids_1"].lengths(), self.tokens["input_ids_2"].lengths())
         return self.tokens["input_ids"].lengths()
 
-    def batch(self, rows: np.ndarray, encoding: str) -> dict[str, torch.Tensor]:
+    def batch(self, rows: np.ndarray, encoding: str, multiple: int = 1) -> dict[str, torch.Tensor]:
+        """The rows' labels and token tensors, padded to a multiple of `multiple` columns."""
         rows = np.asarray(rows, dtype=np.int64)
         batch = {"labels": torch.from_numpy(self.labels[rows])}
         if encoding == "bi":
             for side in ("1", "2"):
-                ids, mask = self.tokens[f"input_ids_{side}"].padded(rows)
+                ids, mask = self.tokens[f"input_ids_{side}"].padded(rows, multiple=multiple)
                 batch[f"input_ids_{side}"], batch[f"attention_mask_{side}"] = ids, mask
         else:
-            batch["input_ids"], batch["attention_mask"] = self.tokens["input_ids"].padded(rows)
-            batch["token_type_ids"], _ = self.tokens["token_type_ids"].padded(rows)
+            batch["input_ids"], batch["attention_mask"] = self.tokens["input_ids"].padded(rows, multiple=multiple)
+            batch["token_type_ids"], _ = self.tokens["token_type_ids"].padded(rows, multiple=multiple)
         return batch
+
+
+def on_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch on `device`. To a GPU each tensor goes through pinned memory, copied without the host waiting
+    for it (the copy is queued behind the kernels before it); on a CPU the tensors are returned as they are."""
+    if device.type != "cuda":
+        return batch
+    return {name: tensor.pin_memory().to(device, non_blocking=True) for name, tensor in batch.items()}
 
 
 def tokenized_input(tokenized_dir: Path | str, task: str, split: str) -> Path:

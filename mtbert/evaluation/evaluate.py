@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mtbert.data.batches import TaskSplit, eval_batches, load_split
+from mtbert.data.batches import TaskSplit, eval_batches, load_split, on_device
 from mtbert.evaluation.metrics import overall, task_metrics
 from mtbert.evaluation.predictions import rejected_ids, write_dump, write_submission
 from mtbert.model.multitask import MultitaskModel
@@ -27,7 +27,7 @@ def predict_split(model: MultitaskModel, split: TaskSplit, batch_size: int, devi
     model.eval()
     with torch.inference_mode(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         for rows in batches:
-            batch = {k: v.to(device) for k, v in split.batch(rows, encoding).items()}
+            batch = on_device(split.batch(rows, encoding), device)
             outputs.append(model.predictions(task, model(task, batch)).float().cpu().numpy())
     model.train(was_training)
     order = np.concatenate(batches)

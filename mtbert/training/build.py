@@ -4,8 +4,6 @@ params; the epoch's schedule of steps; the run's fingerprint, which a checkpoint
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import math
 from pathlib import Path
@@ -23,7 +21,7 @@ from mtbert.runtime import use_bf16
 from mtbert.training.averaging import MovingAverage, NoAverage, weight_average
 from mtbert.training.distillation import Distillation
 from mtbert.training.distributed import Ranks, sync_parameters
-from mtbert.training.loop import FiniteWatch, Paths, Stopwatch, trainable
+from mtbert.training.loop import FiniteWatch, Paths, Stopwatch, fingerprint, trainable
 from mtbert.training.objective import Objective, gold_loss
 from mtbert.training.optim import make_optimizer
 from mtbert.training.pcgrad import PCGrad
@@ -66,6 +64,11 @@ class FineTuning:
     @property
     def train(self) -> TrainParams:
         return self.params.train
+
+    @property
+    def pad_multiple(self) -> int:
+        """Training batches' widths are multiples of this (runtime.pad_to_multiple on this device)."""
+        return self.params.runtime.pad_to_multiple.on(self.device.type)
 
     @property
     def saved_epochs(self) -> Path:
@@ -144,13 +147,9 @@ def schedule(run: FineTuning, epoch: int) -> list[tuple[str, ...]]:
 
 def run_fingerprint(params: Params, tokenized_dir: Path, pretrained: Path | None, world_size: int = 1) -> str:
     """Identifies a run: its params (less `runtime`, which changes no result), the data and the start weights."""
-    digest = hashlib.sha256()
     # `models` holds the other variants' overrides; this variant's are already merged in.
     relevant = {key: value for key, value in as_dict(params).items() if key not in NOT_TRAINING}
-    digest.update(json.dumps({**relevant, "world_size": world_size}, sort_keys=True).encode())
-    for task in params.tasks:
-        for split in ("train", "dev", "test"):  # test: train.snapshot_test's dumps predict it
-            digest.update(tokenized_input(tokenized_dir, task, split).read_bytes())
-    for path in sorted(pretrained.glob("*.safetensors")) if pretrained is not None else []:
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+    data = [tokenized_input(tokenized_dir, task, split) for task in params.tasks
+            for split in ("train", "dev", "test")]  # test: train.snapshot_test's dumps predict it
+    weights = sorted(pretrained.glob("*.safetensors")) if pretrained is not None else []
+    return fingerprint({**relevant, "world_size": world_size}, [*data, *weights])

@@ -40,8 +40,8 @@ class TaughtSplit(TaskSplit):
     teacher: np.ndarray = dataclasses.field(kw_only=True)  # (N, C) class probabilities, else (N,)
     gold: np.ndarray = dataclasses.field(kw_only=True)  # (N,) bool
 
-    def batch(self, rows: np.ndarray, encoding: str) -> dict[str, torch.Tensor]:
-        batch = super().batch(rows, encoding)
+    def batch(self, rows: np.ndarray, encoding: str, multiple: int = 1) -> dict[str, torch.Tensor]:
+        batch = super().batch(rows, encoding, multiple)
         rows = np.asarray(rows, dtype=np.int64)
         batch["teacher"] = torch.from_numpy(self.teacher[rows])
         if not self.gold[rows].all():  # decided here, on the host: a batch of training rows needs no device read

@@ -26,16 +26,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from mtbert import io
+from mtbert.data.batches import on_device
 from mtbert.params import Params
 from mtbert.rng import PCGRAD_ORDER, generator
 from mtbert.runtime import limit_memory_growth, open_live
 from mtbert.training.build import FineTuning, prepare, run_fingerprint, schedule
-from mtbert.training.checkpoint import remove_checkpoint_folder
 from mtbert.training.distillation import Distillation
 from mtbert.training.distributed import average_gradients, setup_process, shard, shutdown
 from mtbert.training.epoch_end import end_epoch, log_epoch
-from mtbert.training.loop import Paths, clip_and_step, trainable
+from mtbert.training.loop import Paths, clip_and_step, finish, trainable
 from mtbert.training.objective import BatchLoss
 from mtbert.training.progress import EpochTotals, Progress, checkpoint, resume
 from mtbert.training.publish import parameter_count, publish, summary
@@ -82,10 +81,7 @@ def train(run: FineTuning, progress: Progress) -> dict:
     if live is not None:
         live.end()
     result = summary(run, progress)
-    if run.ranks.is_main:
-        publish(run, result)
-        io.write_metrics(run.paths.metrics_out, result)
-        remove_checkpoint_folder(run.paths.checkpoints)  # the run is complete
+    finish(run, result, lambda: publish(run, result))
     return result
 
 
@@ -123,9 +119,9 @@ def step(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> None:
         global_rows = run.streams[task].next()  # the same on every rank
         rows, encoding = shard(global_rows, run.ranks), run.model.encoding(task)
         for piece in micro_batches(rows, run.row_lengths[task], run.train.max_batch_tokens):
-            batch = run.train_data[task].batch(piece, encoding)
+            batch = run.train_data[task].batch(piece, encoding, run.pad_multiple)
             tokens = padding_free_tokens(batch)  # counted on the host, before the copy
-            batch = {k: v.to(run.device) for k, v in batch.items()}
+            batch = on_device(batch, run.device)
             loss = run.objective(run.model, task, batch)  # the task's loss plus each regulariser's, weighted
             run.finite.add(loss.total, f"{task} loss",
                            f"at epoch {progress.epoch + 1} step {progress.step_in_epoch + 1}")

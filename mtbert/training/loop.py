@@ -1,18 +1,32 @@
-"""What both training loops (fine-tuning and masked-LM) share: their paths, the training clock, the
-non-finite-loss guard and the speed record; and masked-LM's optimiser step (fine-tuning's `update` writes
-its own out, with PCGrad's branch)."""
+"""What both training loops (fine-tuning and masked-LM) share: their paths, the training clock, the run's
+fingerprint, writing and resuming its checkpoint, the optimiser step, the non-finite-loss guard, the
+finish and the speed record.
+
+Both runs (training/build.py's `FineTuning`, masked_lm.py's `MaskedLM`) carry the fields these read:
+`paths`, `fingerprint`, `ranks`, `model`, `optimizer`, `scheduler` and `stopwatch`."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from mtbert import io
 from mtbert.runtime import UserError, peak_rss_gib
+from mtbert.training.checkpoint import (
+    discard_checkpoints,
+    load_checkpoint,
+    remove_checkpoint_folder,
+    restore,
+    save_checkpoint,
+)
 from mtbert.training.distributed import Ranks
 
 
@@ -55,6 +69,50 @@ class Stopwatch:
         finally:
             if running:
                 self.start()
+
+
+def fingerprint(settings: dict, files: Iterable[Path]) -> str:
+    """Identifies a run by what decides its result: its settings and the bytes of its input files. A checkpoint
+    of another fingerprint is not resumed."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for path in files:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()
+
+
+def write_checkpoint(run, progress, checkpoint_type: type, **state: Any) -> None:
+    """The run's checkpoint written atomically by the main rank, outside the training time: a `checkpoint_type`
+    (the loop's dataclass) of its fingerprint, progress, weights, optimiser and LR schedule, and `state`, the
+    loop's own fields (gathered from every rank already)."""
+    with run.stopwatch.paused():
+        progress.train_seconds = run.stopwatch.seconds
+        checkpoint = checkpoint_type(fingerprint=run.fingerprint, progress=progress, model=run.model.state_dict(),
+                                     optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
+                                     **state)
+        if run.ranks.is_main:
+            save_checkpoint(run.paths.checkpoints, checkpoint)
+
+
+def load_latest(run, checkpoint_type: type, progress_type: type) -> tuple[Any, dict] | None:
+    """This very run's newest whole checkpoint, loaded into the run's weights, optimiser, LR schedule, RNG and
+    training clock: (the checkpoint, this rank's own part of it). None when there is none; the checkpoints of
+    another run (other params or data) are then removed, as the run starts over."""
+    checkpoint = load_checkpoint(run.paths.checkpoints, checkpoint_type, progress_type, run.fingerprint, run.ranks)
+    if checkpoint is None:
+        if run.ranks.is_main:
+            discard_checkpoints(run.paths.checkpoints)
+        return None
+    own = restore(checkpoint, run.model, run.optimizer, run.scheduler, run.ranks)
+    run.stopwatch = Stopwatch(checkpoint.progress.train_seconds)
+    return checkpoint, own
+
+
+def finish(run, result: dict, write_outputs: Callable[[], None]) -> None:
+    """The run is complete: the main rank writes its outputs and its metrics, then removes its checkpoints."""
+    if run.ranks.is_main:
+        write_outputs()
+        io.write_metrics(run.paths.metrics_out, result)
+        remove_checkpoint_folder(run.paths.checkpoints)
 
 
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:

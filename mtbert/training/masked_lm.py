@@ -16,7 +16,6 @@ models/pretrained/ in Hugging Face format (with the backbone's pooler, which mas
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -36,16 +35,20 @@ from mtbert.model.backbone import PROVENANCE_FILE, load_encoder, load_masked_lm,
 from mtbert.params import Params, PretrainParams, as_dict
 from mtbert.rng import HELD_OUT_SENTENCES, generator
 from mtbert.runtime import open_live, use_bf16
-from mtbert.training.checkpoint import (
-    discard_checkpoints,
-    every_rank,
-    load_checkpoint,
-    remove_checkpoint_folder,
-    restore,
-    save_checkpoint,
-)
+from mtbert.training.checkpoint import every_rank
 from mtbert.training.distributed import Ranks, average_gradients, average_tensor, broadcast, shard, sync_parameters
-from mtbert.training.loop import Paths, Stopwatch, check_finite, clip_and_step, speed, trainable
+from mtbert.training.loop import (
+    Paths,
+    Stopwatch,
+    check_finite,
+    clip_and_step,
+    fingerprint,
+    finish,
+    load_latest,
+    speed,
+    trainable,
+    write_checkpoint,
+)
 from mtbert.training.optim import LayerwiseLR, layerwise_optimizer
 
 log = logging.getLogger("pretrain")
@@ -198,27 +201,18 @@ def masked_held_out(column: TokenColumn, vocab: MaskingVocab, p: PretrainParams)
 # --- checkpoints ------------------------------------------------------------------------------------
 def checkpoint(run: MaskedLM, progress: Progress) -> None:
     """Write the state atomically (the main rank; every rank contributes its RNG); not training time."""
-    with run.stopwatch.paused():
-        progress.train_seconds = run.stopwatch.seconds
-        state = MaskedLMCheckpoint(fingerprint=run.fingerprint, progress=progress, model=run.model.state_dict(),
-                                   optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
-                                   stream=run.stream.state(),
-                                   ranks=every_rank({"generator": run.generator.get_state()}, run.ranks))
-        if run.ranks.is_main:
-            save_checkpoint(run.paths.checkpoints, state)
+    write_checkpoint(run, progress, MaskedLMCheckpoint, stream=run.stream.state(),
+                     ranks=every_rank({"generator": run.generator.get_state()}, run.ranks))
 
 
 def resume(run: MaskedLM) -> Progress:
     """The progress of this very run's newest whole checkpoint, loaded into `run`; else a fresh start."""
-    state = load_checkpoint(run.paths.checkpoints, MaskedLMCheckpoint, Progress, run.fingerprint, run.ranks)
-    if state is None:
-        if run.ranks.is_main:
-            discard_checkpoints(run.paths.checkpoints)
+    latest = load_latest(run, MaskedLMCheckpoint, Progress)
+    if latest is None:
         return Progress.start()
-    own = restore(state, run.model, run.optimizer, run.scheduler, run.ranks)
+    state, own = latest
     run.generator.set_state(own["generator"])
     run.stream.load_state(state.stream)
-    run.stopwatch = Stopwatch(state.progress.train_seconds)
     log.info("resuming masked-LM training at step %d", state.progress.step)
     return state.progress
 
@@ -251,10 +245,7 @@ def train(run: MaskedLM, progress: Progress, stop_after: int | None = None) -> d
     if live is not None:
         live.end()
     result = summary(run, progress)
-    if run.ranks.is_main:
-        save_trained_encoder(run)
-        io.write_metrics(run.paths.metrics_out, result)
-        remove_checkpoint_folder(run.paths.checkpoints)  # the run is complete
+    finish(run, result, lambda: save_trained_encoder(run))
     return result if run.ranks.is_main else {}
 
 
@@ -377,9 +368,6 @@ def log_record(live, record: dict) -> None:
 
 def run_fingerprint(params: Params, tokenized_dir: Path, world_size: int = 1) -> str:
     """Identifies a run: the pretrain params, backbone and text (`runtime` changes no result)."""
-    digest = hashlib.sha256(json.dumps({"pretrain": as_dict(params.pretrain), "backbone": params.model.name,
-                                        "world_size": world_size}, sort_keys=True).encode())
-    for task in params.tasks:
-        for split in sorted(set(params.pretrain.corpus) | {"dev"}):
-            digest.update(tokenized_input(tokenized_dir, task, split).read_bytes())
-    return digest.hexdigest()
+    settings = {"pretrain": as_dict(params.pretrain), "backbone": params.model.name, "world_size": world_size}
+    return fingerprint(settings, [tokenized_input(tokenized_dir, task, split) for task in params.tasks
+                                  for split in sorted(set(params.pretrain.corpus) | {"dev"})])

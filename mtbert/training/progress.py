@@ -8,8 +8,8 @@ import logging
 import shutil
 
 from mtbert.training.build import FineTuning
-from mtbert.training.checkpoint import discard_checkpoints, every_rank, load_checkpoint, restore, save_checkpoint
-from mtbert.training.loop import Stopwatch
+from mtbert.training.checkpoint import every_rank
+from mtbert.training.loop import load_latest, write_checkpoint
 
 log = logging.getLogger("train")
 
@@ -68,34 +68,26 @@ class FineTuningCheckpoint:
 
 def checkpoint(run: FineTuning, progress: Progress) -> None:
     """Write the state atomically (the main rank; every rank contributes its RNG); not training time."""
-    with run.stopwatch.paused():
-        progress.train_seconds = run.stopwatch.seconds
-        progress.totals.settle()
-        state = FineTuningCheckpoint(
-            fingerprint=run.fingerprint, progress=progress, model=run.model.state_dict(),
-            optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
-            streams={name: stream.state() for name, stream in run.streams.items()},
-            average=run.average.state_dict(),  # the same on every rank, as the weights are
-            ranks=every_rank({"objective": run.objective.state_dict()}, run.ranks))
-        if run.ranks.is_main:
-            save_checkpoint(run.paths.checkpoints, state)
+    progress.totals.settle()
+    write_checkpoint(run, progress, FineTuningCheckpoint,
+                     streams={name: stream.state() for name, stream in run.streams.items()},
+                     average=run.average.state_dict(),  # the same on every rank, as the weights are
+                     ranks=every_rank({"objective": run.objective.state_dict()}, run.ranks))
 
 
 def resume(run: FineTuning) -> Progress:
     """The progress of this very run's newest whole checkpoint, loaded into `run`; else a fresh start (clearing
     what a killed run with other params or data may have left)."""
-    state = load_checkpoint(run.paths.checkpoints, FineTuningCheckpoint, Progress, run.fingerprint, run.ranks)
-    if state is None:
+    latest = load_latest(run, FineTuningCheckpoint, Progress)
+    if latest is None:
         if run.ranks.is_main:
             for leftover in (run.saved_epochs, run.snapshot_dumps):
                 shutil.rmtree(leftover, ignore_errors=True)
-            discard_checkpoints(run.paths.checkpoints)
         return Progress.start(run.tasks)
-    own = restore(state, run.model, run.optimizer, run.scheduler, run.ranks)
+    state, own = latest
     run.objective.load_state_dict(own["objective"])
     for name, stream in run.streams.items():
         stream.load_state(state.streams[name])
     run.average.load_state_dict(state.average)
-    run.stopwatch = Stopwatch(state.progress.train_seconds)
     log.info("resuming from epoch %d step %d", state.progress.epoch + 1, state.progress.step_in_epoch)
     return state.progress
