@@ -358,7 +358,8 @@ class CheckpointEvery(Section):
 class PadToMultiple(Section):
     """A training batch's width: its longest row rounded up to a multiple of this, per device."""
     cpu: PositiveInt = Field(description="On a CPU (1: the longest row's, the fastest there).")
-    cuda: PositiveInt = Field(description="On a GPU: a few static shapes, each captured once.")
+    cuda: PositiveInt = Field(description="On a GPU: a few static shapes, what CUDA graphs or a compiler would "
+                                          "capture once each (mtbert runs them eagerly so far).")
 
     def on(self, device_type: str) -> int:
         """The multiple for a torch device type ("cpu", "cuda")."""
@@ -374,8 +375,9 @@ class RuntimeParams(Section):
                                                  "losses for non-finite values (each checkpoint and epoch end "
                                                  "reads them too); in between, the host never waits for a GPU.")
     pad_to_multiple: PadToMultiple = Field(description="Training batches padded to a multiple of this many tokens. "
-                                                       "Only the dropout masks' draws change (one per padded "
-                                                       "position), as they do on another device.")
+                                                       "Only the random draws (dropout masks, SMART's noise: one "
+                                                       "per padded position) and float rounding change, as they "
+                                                       "do on another device.")
     onednn_cache: Count = Field(description="oneDNN kernels kept, one per op and shape (bf16 only); 0: oneDNN's "
                                             "default (1024).")
     malloc_threshold_mb: Count = Field(description="glibc's mmap and trim threshold; 0: glibc's adaptive "

@@ -140,3 +140,11 @@ def test_round_robin_smallest_uses_other_rows_of_the_larger_task_each_epoch_and_
     assert not set(drawn[0]["large"]) & set(drawn[1]["large"])  # other rows in the next epoch
     first_pass = drawn[0]["large"] + drawn[1]["large"] + drawn[2]["large"][:5]
     assert sorted(first_pass) == list(range(25))  # within a few epochs every row was trained on once
+
+
+def test_the_token_budget_of_a_piece_counts_its_static_width():
+    from mtbert.training.finetune import micro_batches
+
+    rows, lengths = np.arange(30), np.full(30, 68)  # 2,040 tokens as they are, 2,400 padded to 80
+    assert len(micro_batches(rows, lengths, 2048)) == 1
+    assert len(micro_batches(rows, lengths, 2048, multiple=16)) == 2

@@ -19,6 +19,11 @@ from mtbert.data.tasks import Task, tokenized_path
 from mtbert.runtime import MissingInputError
 
 
+def padded_width(longest: int, multiple: int = 1) -> int:
+    """A batch's width: its longest row's length rounded up to a multiple of `multiple`."""
+    return -(-longest // multiple) * multiple
+
+
 @dataclasses.dataclass
 class TokenColumn:
     """A list<int32> column as flat values and offsets."""
@@ -64,7 +69,7 @@ class TokenColumn:
         """(ids, attention mask), each (len(rows), the longest row rounded up to a multiple of `multiple`)."""
         starts, ends = self.offsets[rows], self.offsets[rows + 1]
         lengths = ends - starts
-        width = -(-int(lengths.max()) // multiple) * multiple
+        width = padded_width(int(lengths.max()), multiple)
         positions = np.arange(width)
         mask = positions[None, :] < lengths[:, None]
         gather = np.where(mask, starts[:, None] + positions[None, :], 0)
@@ -104,11 +109,14 @@ class TaskSplit:
 
 
 def on_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """The batch on `device`. To a GPU each tensor goes through pinned memory, copied without the host waiting
-    for it (the copy is queued behind the kernels before it); on a CPU the tensors are returned as they are."""
-    if device.type != "cuda":
+    """The batch on `device`. To a CUDA GPU each tensor goes through pinned memory, copied without the host
+    waiting for it (the copy is queued behind the kernels before it); on a CPU the tensors are used as they
+    are."""
+    if device.type == "cpu":
         return batch
-    return {name: tensor.pin_memory().to(device, non_blocking=True) for name, tensor in batch.items()}
+    if device.type == "cuda":
+        return {name: tensor.pin_memory().to(device, non_blocking=True) for name, tensor in batch.items()}
+    return {name: tensor.to(device) for name, tensor in batch.items()}
 
 
 def tokenized_input(tokenized_dir: Path | str, task: str, split: str) -> Path:

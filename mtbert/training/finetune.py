@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from mtbert.data.batches import on_device
+from mtbert.data.batches import on_device, padded_width
 from mtbert.params import Params
 from mtbert.rng import PCGRAD_ORDER, generator
 from mtbert.runtime import limit_memory_growth, open_live
@@ -118,7 +118,7 @@ def step(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> None:
     for task in tasks:
         global_rows = run.streams[task].next()  # the same on every rank
         rows, encoding = shard(global_rows, run.ranks), run.model.encoding(task)
-        for piece in micro_batches(rows, run.row_lengths[task], run.train.max_batch_tokens):
+        for piece in micro_batches(rows, run.row_lengths[task], run.train.max_batch_tokens, run.pad_multiple):
             batch = run.train_data[task].batch(piece, encoding, run.pad_multiple)
             tokens = padding_free_tokens(batch)  # counted on the host, before the copy
             batch = on_device(batch, run.device)
@@ -139,13 +139,15 @@ def step(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> None:
         run.pcgrad.end_step(generator(run.train.seed, PCGRAD_ORDER, progress.epoch, progress.step_in_epoch))
 
 
-def micro_batches(rows: np.ndarray, lengths: np.ndarray, max_batch_tokens: int) -> list[np.ndarray]:
-    """`rows` in pieces of at most `max_batch_tokens` padded tokens (0: one piece). A batch of long sentences
-    otherwise holds all its activations at once, and those few batches set training's memory peak. The
-    pieces' gradients add up to the batch's; only the dropout masks are drawn differently."""
+def micro_batches(rows: np.ndarray, lengths: np.ndarray, max_batch_tokens: int,
+                  multiple: int = 1) -> list[np.ndarray]:
+    """`rows` in pieces of at most `max_batch_tokens` padded tokens (0: one piece), widths padded to a multiple
+    of `multiple`. A batch of long sentences otherwise holds all its activations at once, and those few
+    batches set training's memory peak. The pieces' gradients add up to the batch's; only the dropout masks
+    are drawn differently."""
     if not max_batch_tokens or len(rows) <= 1:
         return [rows] if len(rows) else []
-    padded_tokens = len(rows) * int(lengths[rows].max())
+    padded_tokens = len(rows) * padded_width(int(lengths[rows].max()), multiple)
     return np.array_split(rows, min(len(rows), math.ceil(padded_tokens / max_batch_tokens)))
 
 

@@ -83,7 +83,7 @@ def fingerprint(settings: dict, files: Iterable[Path]) -> str:
 def write_checkpoint(run, progress, checkpoint_type: type, **state: Any) -> None:
     """The run's checkpoint written atomically by the main rank, outside the training time: a `checkpoint_type`
     (the loop's dataclass) of its fingerprint, progress, weights, optimiser and LR schedule, and `state`, the
-    loop's own fields (gathered from every rank already)."""
+    loop's own fields (gathered from every rank already: the caller pauses the clock for that too)."""
     with run.stopwatch.paused():
         progress.train_seconds = run.stopwatch.seconds
         checkpoint = checkpoint_type(fingerprint=run.fingerprint, progress=progress, model=run.model.state_dict(),

@@ -201,8 +201,9 @@ def masked_held_out(column: TokenColumn, vocab: MaskingVocab, p: PretrainParams)
 # --- checkpoints ------------------------------------------------------------------------------------
 def checkpoint(run: MaskedLM, progress: Progress) -> None:
     """Write the state atomically (the main rank; every rank contributes its RNG); not training time."""
-    write_checkpoint(run, progress, MaskedLMCheckpoint, stream=run.stream.state(),
-                     ranks=every_rank({"generator": run.generator.get_state()}, run.ranks))
+    with run.stopwatch.paused():
+        write_checkpoint(run, progress, MaskedLMCheckpoint, stream=run.stream.state(),
+                         ranks=every_rank({"generator": run.generator.get_state()}, run.ranks))
 
 
 def resume(run: MaskedLM) -> Progress:

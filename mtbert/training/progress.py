@@ -68,11 +68,12 @@ class FineTuningCheckpoint:
 
 def checkpoint(run: FineTuning, progress: Progress) -> None:
     """Write the state atomically (the main rank; every rank contributes its RNG); not training time."""
-    progress.totals.settle()
-    write_checkpoint(run, progress, FineTuningCheckpoint,
-                     streams={name: stream.state() for name, stream in run.streams.items()},
-                     average=run.average.state_dict(),  # the same on every rank, as the weights are
-                     ranks=every_rank({"objective": run.objective.state_dict()}, run.ranks))
+    with run.stopwatch.paused():
+        progress.totals.settle()
+        write_checkpoint(run, progress, FineTuningCheckpoint,
+                         streams={name: stream.state() for name, stream in run.streams.items()},
+                         average=run.average.state_dict(),  # the same on every rank, as the weights are
+                         ranks=every_rank({"objective": run.objective.state_dict()}, run.ranks))
 
 
 def resume(run: FineTuning) -> Progress:
