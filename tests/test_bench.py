@@ -80,7 +80,8 @@ def test_suite_writes_every_figure(tmp_path, tiny_backbone, tiny_tokenized):
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
     assert figures["cpu"] and figures["threads"] >= 1  # a figure names the processor it holds for
-    assert set(figures["train"]) == {"naive", "default", "default_bf16"}
+    assert set(figures["train"]) == {"naive", "default", "default_bf16", "default_static"}
+    assert figures["static_shapes"]["multiple"] == 16 and figures["static_shapes"]["over_default"] > 0
     assert all(figures["train"][name]["examples"] == 8 for name in figures["train"])  # 2 steps of 4
     assert figures["train_speedup"]["default"] > 0 and figures["smart_ratio"] > 0 and figures["smart_random_ratio"] > 0
     assert figures["predict"]["sentences_per_second"] > 0 and figures["tokenize_seconds"] > 0
