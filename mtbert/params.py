@@ -217,6 +217,7 @@ class HeadParams(Section):
 
 
 PER_TASK = "Per task: one value for every task, or {task: value} for some (the others get the default)."
+PER_TASK_KNOBS = {"train": ("task_lr_mult", "batch_size", "max_train_examples"), "smart": ("task_lambda",)}
 
 
 class TrainParams(Section):
@@ -268,7 +269,7 @@ class TrainParams(Section):
     snapshot_test: bool = Field(description="Every epoch's test predictions beside its dev ones; "
                                             "ensemble.snapshots needs them.")
 
-    _every_task = field_validator("task_lr_mult", "batch_size", "max_train_examples", mode="before")(every_task)
+    _every_task = field_validator(*PER_TASK_KNOBS["train"], mode="before")(every_task)
 
     @model_validator(mode="after")
     def _pcgrad_needs_joint_steps(self) -> TrainParams:
@@ -304,7 +305,7 @@ class SmartParams(Section):
     beta: float = Field(ge=0.0, lt=1.0, description="Teacher momentum: teacher ← beta × teacher + (1 − beta) × "
                                                     "model.")
 
-    _every_task = field_validator("task_lambda", mode="before")(every_task)
+    _every_task = field_validator(*PER_TASK_KNOBS["smart"], mode="before")(every_task)
 
     @model_validator(mode="after")
     def _ascent_reaches_the_radius(self) -> SmartParams:
@@ -596,16 +597,17 @@ def parse_section(cls: type[Section], raw: Any, key: str, *, source: str = "para
         # params.yaml says `lambda`, never `lambda_`
         return cls.model_validate(raw, context={"tasks": tasks}, by_alias=True, by_name=False)
     except ValidationError as error:
-        raise ParamsError(f"{source}: {one_line(error, cls, key)}") from None
+        raise ParamsError(f"{source}: {one_line(error, cls, key, raw)}") from None
 
 
 def with_changes(section: Section, **changes: Any) -> Any:
     """A copy of a section with some knobs changed (by field name, e.g. `lambda_`), validated again. A
     per-task knob takes its resolved form here, {task: value} for every task."""
     try:
-        return type(section).model_validate({**dict(section), **changes}, by_name=True)
+        raw = {**dict(section), **changes}
+        return type(section).model_validate(raw, by_name=True)
     except ValidationError as error:
-        raise ParamsError(one_line(error, type(section), "")) from None
+        raise ParamsError(one_line(error, type(section), "", raw)) from None
 
 
 def variant_params(raw_or_path: Any, variant: str) -> Params:
@@ -658,8 +660,6 @@ def refuse_null_mappings(base: dict, overrides: dict, key: str) -> None:
             refuse_null_mappings(shared, value, f"{key}.{name}")
 
 
-PER_TASK_KNOBS = {"train": ("task_lr_mult", "batch_size", "max_train_examples"), "smart": ("task_lambda",)}
-
 
 def with_scalars_as_maps(raw: dict, overrides: dict) -> dict:
     """raw with each per-task scalar that a variant overrides with a mapping spelled out for every task, so
@@ -695,10 +695,13 @@ def as_dict(params: Any) -> Any:
     return _ANY.dump_python(params, by_alias=True)
 
 
-def one_line(error: ValidationError, root: type[Section], key: str) -> str:
-    """pydantic's first error (unknown keys first, then missing ones) as one line naming the dotted key."""
+def one_line(error: ValidationError, root: type[Section], key: str, raw: Any) -> str:
+    """pydantic's first error (unknown keys first, then missing ones) as one line naming the dotted key as the
+    user wrote it: a per-task knob given one value for every task is named without a task."""
     first = min(error.errors(), key=lambda e: {"extra_forbidden": 0, "missing": 1}.get(e["type"], 2))
     loc = [str(part) for part in first["loc"]]
+    if len(first["loc"]) > 1 and isinstance(first["loc"][-1], str) and written_as_one_value(raw, loc[:-1]):
+        loc = loc[:-1]  # every_task spread this one value over the tasks
     name = ".".join(filter(None, [key, *loc]))
     if first["type"] == "extra_forbidden":
         accepted = [field.alias or field_name for field_name, field in section_at(root, loc[:-1]).model_fields.items()]
@@ -713,6 +716,15 @@ def one_line(error: ValidationError, root: type[Section], key: str) -> str:
     if message.startswith("Input should be "):
         message = "expected " + message.removeprefix("Input should be ")
     return f"{name or 'the top level'}: {message[0].lower()}{message[1:]}, got {first['input']!r:.80}"
+
+
+def written_as_one_value(raw: Any, loc: list[str]) -> bool:
+    """Whether the raw input at a path of keys is there and not a mapping."""
+    for part in loc:
+        if not isinstance(raw, dict) or part not in raw:
+            return False
+        raw = raw[part]
+    return not isinstance(raw, dict)
 
 
 def section_at(root: type[Section], loc: list[str]) -> type[Section]:

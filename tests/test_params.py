@@ -59,13 +59,13 @@ def with_value(raw: dict, dotted_key: str, value) -> dict:
     ("smart.lambda", -1, "smart.lambda: expected greater than or equal to 0, got -1"),
     ("smart.task_lambda.sst", "high", "smart.task_lambda.sst: expected a valid number, got 'high'"),
     ("smart.task_lambda.qqp", -1, "smart.task_lambda.qqp: expected greater than or equal to 0, got -1"),
-    ("smart.task_lambda", "high", "smart.task_lambda.sst: expected a valid number, got 'high'"),
+    ("smart.task_lambda", "high", "smart.task_lambda: expected a valid number, got 'high'"),
     ("train.batch_size", {"sts": 0}, "train.batch_size.sts: expected greater than or equal to 1, got 0"),
     ("train.batch_size", {"sst": 3.5}, "train.batch_size.sst: expected a valid integer, got 3.5"),
-    ("train.batch_size", 0, "train.batch_size.sst: expected greater than or equal to 1, got 0"),  # the first task
-    ("train.batch_size", True, "train.batch_size.sst: expected a valid integer, got True"),
+    ("train.batch_size", 0, "train.batch_size: expected greater than or equal to 1, got 0"),  # one value: no task
+    ("train.batch_size", True, "train.batch_size: expected a valid integer, got True"),
     ("train.task_lr_mult", {"qqp": 0}, "train.task_lr_mult.qqp: expected greater than 0, got 0"),
-    ("train.max_train_examples", [5], "train.max_train_examples.sst: expected a valid integer, got [5]"),
+    ("train.max_train_examples", [5], "train.max_train_examples: expected a valid integer, got [5]"),
     ("train.lr", -1, "train.lr: expected greater than 0, got -1"),
     ("train.lr", float("inf"), "train.lr: expected a finite number, got inf"),
     ("runtime.threads", -1, "runtime.threads: expected greater than or equal to 0, got -1"),

@@ -81,16 +81,14 @@ def fingerprint(settings: dict, files: Iterable[Path]) -> str:
 
 
 def write_checkpoint(run, progress, checkpoint_type: type, **state: Any) -> None:
-    """The run's checkpoint written atomically by the main rank, outside the training time: a `checkpoint_type`
-    (the loop's dataclass) of its fingerprint, progress, weights, optimiser and LR schedule, and `state`, the
-    loop's own fields (gathered from every rank already: the caller pauses the clock for that too)."""
-    with run.stopwatch.paused():
-        progress.train_seconds = run.stopwatch.seconds
-        checkpoint = checkpoint_type(fingerprint=run.fingerprint, progress=progress, model=run.model.state_dict(),
-                                     optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
-                                     **state)
-        if run.ranks.is_main:
-            save_checkpoint(run.paths.checkpoints, checkpoint)
+    """The run's checkpoint written atomically by the main rank: a `checkpoint_type` (the loop's dataclass) of
+    its fingerprint, progress, weights, optimiser and LR schedule, and `state`, the loop's own fields (gathered
+    from every rank already). The caller pauses the training clock around the gather and this."""
+    progress.train_seconds = run.stopwatch.seconds
+    checkpoint = checkpoint_type(fingerprint=run.fingerprint, progress=progress, model=run.model.state_dict(),
+                                 optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(), **state)
+    if run.ranks.is_main:
+        save_checkpoint(run.paths.checkpoints, checkpoint)
 
 
 def load_latest(run, checkpoint_type: type, progress_type: type) -> tuple[Any, dict] | None:
