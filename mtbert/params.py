@@ -660,7 +660,6 @@ def refuse_null_mappings(base: dict, overrides: dict, key: str) -> None:
             refuse_null_mappings(shared, value, f"{key}.{name}")
 
 
-
 def with_scalars_as_maps(raw: dict, overrides: dict) -> dict:
     """raw with each per-task scalar that a variant overrides with a mapping spelled out for every task, so
     the variant's mapping changes the tasks it names and the others keep the shared scalar."""
