@@ -12,7 +12,7 @@ A peer step is what `Trainer.train`'s inner loop does per batch with no gradient
 the batch with the Trainer's `DataCollatorWithPadding` (through `get_batch_samples` where the installed
 version has it), `training_step`, gradient clipping, `optimizer.step`, `lr_scheduler.step`, `zero_grad`;
 the model and optimiser prepared by the Trainer's `accelerator` as `train` prepares them (that is where
-bf16 autocast comes from). An mtbert step is what the `train` stage runs: `finetune.step` then
+bf16 autocast comes from). An mtbert step is what the `train` stage runs: `finetune.accumulate_gradients` then
 `finetune.update` (batch assembly, the objective, backward, the optimiser, the weights' moving average).
 
 Both train the same task mix: the steps are a subsequence of mtbert's own schedule (`schedule(run, 0)`,
@@ -48,7 +48,7 @@ from mtbert.data.batches import TaskSplit, bucketed_batches
 from mtbert.model.backbone import load_tokenizer, resolve_backbone, starting_point
 from mtbert.runtime import UserError
 from mtbert.training.build import FineTuning, schedule
-from mtbert.training.finetune import step, update
+from mtbert.training.finetune import accumulate_gradients, update
 from mtbert.training.progress import Progress
 
 
@@ -212,7 +212,7 @@ class TrainerPeer:
 def mtbert_step(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> tuple[int, int]:
     """One step of the `train` stage (step, then the optimiser update); its examples and non-padding tokens."""
     before = progress.totals.examples, progress.totals.tokens
-    step(run, progress, tasks)
+    accumulate_gradients(run, progress, tasks)
     update(run, progress)
     return progress.totals.examples - before[0], progress.totals.tokens - before[1]
 

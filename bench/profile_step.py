@@ -3,7 +3,7 @@
     python -m bench.profile_step [--steps 24] [--warmup 4] [--json-out FILE]
 
 The run is set up as the stage sets it up (bench/smart_step.py `scratch_run`) and each step is what the
-stage runs: `finetune.step` (batch collation, forward, backward) and `finetune.update` (clipping, AdamW,
+stage runs: `finetune.accumulate_gradients` (batch collation, forward, backward) and `finetune.update` (clipping, AdamW,
 the moving average). The operators' self CPU time is grouped into categories (matmuls, attention,
 LayerNorm, GELU, dropout, the embedding's gradient, the optimiser, the moving average, casts, ...); the
 rest of the wall time, outside any operator, is Python and collation overhead. Needs data/tokenized.
@@ -67,7 +67,7 @@ def profiled_steps(run, progress, steps: list[tuple[str, ...]]) -> tuple[profile
         started = time.perf_counter()
         for tasks in steps:
             with record_function("mtbert.step"):
-                finetune.step(run, progress, tasks)
+                finetune.accumulate_gradients(run, progress, tasks)
             with record_function("mtbert.update"):
                 finetune.update(run, progress)
         wall = time.perf_counter() - started
@@ -147,7 +147,7 @@ def main(steps: int = typer.Option(24, help="profiled steps"),
         run.model.train()
         schedule = build.schedule(run, 0)[: warmup + steps]
         for tasks in schedule[:warmup]:
-            finetune.step(run, progress, tasks)
+            finetune.accumulate_gradients(run, progress, tasks)
             finetune.update(run, progress)
         prof, wall = profiled_steps(run, progress, schedule[warmup:])
         figures = breakdown(prof, wall)

@@ -3,7 +3,7 @@
     python -m bench.smart_step [--steps 40]
 
 Both objectives drive the `train` stage's own run (mtbert/training/finetune.py's `start`, then its
-`step` and `update`) on the default variant: the same model, the same
+`accumulate_gradients` and `update`) on the default variant: the same model, the same
 real batches (the first steps of its first epoch), a step being forward, backward and the optimiser
 update. They alternate in blocks, so drift in the machine's speed hits both alike. Needs data/tokenized
 (`dvc repro tokenize`).
@@ -25,7 +25,7 @@ from mtbert import io
 from mtbert.params import SmartParams, variant_params, with_changes
 from mtbert.runtime import setup_logging
 from mtbert.training.build import FineTuning, schedule
-from mtbert.training.finetune import start, step, update
+from mtbert.training.finetune import accumulate_gradients, start, update
 from mtbert.training.loop import Paths
 from mtbert.training.objective import Objective
 from mtbert.training.progress import Progress
@@ -56,7 +56,7 @@ def timed_steps(run: FineTuning, progress: Progress, steps: list[tuple[str, ...]
     seconds = []
     for tasks in steps:
         started = time.perf_counter()
-        step(run, progress, tasks)
+        accumulate_gradients(run, progress, tasks)
         update(run, progress)
         run.finite.check()  # reads the step's losses: on a GPU, waits for the step to finish
         seconds.append(time.perf_counter() - started)

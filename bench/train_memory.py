@@ -73,7 +73,7 @@ def main(steps: int = typer.Option(20), variant: str = typer.Option("base"),
         run.model.train()
         start = time.perf_counter()
         for tasks in schedule:
-            finetune.step(fed, progress, tasks)
+            finetune.accumulate_gradients(fed, progress, tasks)
             finetune.update(fed, progress)
         fed.finite.check()  # reads the steps' losses: on a GPU, waits for the last step to finish
         seconds_per_step = (time.perf_counter() - start) / steps

@@ -50,11 +50,19 @@ def _bf16(value: Any) -> bool | str:
     raise PydanticCustomError("bf16", "expected true, false or 'auto'")  # as one_line writes them
 
 
-# true, false, or auto: on where the device computes bf16 natively (runtime.use_bf16)
-Bf16 = Annotated[bool | Literal["auto"], PlainValidator(_bf16)]
 PositiveInt = Annotated[int, Field(ge=1)]
 Count = Annotated[int, Field(ge=0)]
 Share = Annotated[float, Field(ge=0.0, le=1.0)]
+
+# Knobs that fine-tuning and masked-LM pretraining share, described once.
+Bf16 = Annotated[bool | Literal["auto"], PlainValidator(_bf16), Field(  # auto: runtime.use_bf16
+    description="bf16 autocast: true, false, or auto (where the device computes bf16 natively; fp32 elsewhere).")]
+WeightDecay = Annotated[float, Field(ge=0.0, description="AdamW's weight decay.")]
+WarmupFraction = Annotated[float, Field(ge=0.0, lt=1.0, description="The share of steps the LR warms up over.")]
+LayerDecay = Annotated[float, Field(gt=0.0, le=1.0, description="LR × this per encoder layer towards the input.")]
+GradClip = Annotated[float, Field(ge=0.0, description="The gradients' largest global norm; 0 turns clipping off.")]
+Processes = Annotated[int, Field(ge=1, description="Data-parallel processes on this machine; > 1 relaunches the "
+                                                   "stage through torchrun.")]
 
 
 def every_task(cls, value: Any, info: ValidationInfo) -> Any:
@@ -160,19 +168,17 @@ class PretrainParams(Section):
     steps: PositiveInt = Field(description="Optimiser steps.")
     batch_size: PositiveInt = Field(description="Sentences per step.")
     lr: float = Field(gt=0.0, description="Peak learning rate.")
-    weight_decay: float = Field(ge=0.0, description="AdamW's weight decay.")
-    warmup_fraction: float = Field(ge=0.0, lt=1.0, description="The share of steps the LR warms up over.")
-    layer_decay: float = Field(gt=0.0, le=1.0, description="LR × this per encoder layer towards the input.")
-    grad_clip: float = Field(ge=0.0, description="The gradients' largest global norm; 0 turns clipping off.")
+    weight_decay: WeightDecay
+    warmup_fraction: WarmupFraction
+    layer_decay: LayerDecay
+    grad_clip: GradClip
     max_length: int = Field(ge=8, description="Tokens per sentence; a longer one is cut (ending in [SEP]).")
     bucket_batches: PositiveInt = Field(description="Batches per length-sorted window.")
     eval_every: PositiveInt = Field(description="Steps between held-out masked-LM evaluations on the dev text.")
     eval_examples: Count = Field(description="Dev sentences held out for that; 0: all.")
-    bf16: Bf16 = Field(description="bf16 autocast: true, false, or auto (where the device computes bf16 "
-                                   "natively).")
+    bf16: Bf16
     seed: Count = Field(description="The seed of the masks, the order and the held-out sentences.")
-    nproc: PositiveInt = Field(description="Data-parallel processes on this machine; > 1 relaunches the stage "
-                                           "through torchrun.")
+    nproc: Processes
 
     @model_validator(mode="after")
     def _distinct_splits(self) -> PretrainParams:
@@ -226,17 +232,17 @@ class TrainParams(Section):
     epochs: PositiveInt = Field(description="Passes over the sampler's schedule.")
     lr: float = Field(gt=0.0, description="Peak learning rate (a 22M encoder wants more than BERT-base's "
                                           "1e-5 – 3e-5).")
-    weight_decay: float = Field(ge=0.0, description="AdamW's weight decay.")
-    layer_decay: float = Field(gt=0.0, le=1.0, description="LR × this per encoder layer towards the input.")
+    weight_decay: WeightDecay
+    layer_decay: LayerDecay
     head_lr_mult: float = Field(gt=0.0, description="× the LR of the heads.")
     task_lr_mult: dict[str, Annotated[float, Field(gt=0.0)]] = Field(
         1.0, validate_default=True, description=f"× the LR of the parameters only that task uses (its head, its "
                                                 f"own top layers). {PER_TASK}")
     embedding_lr_factor: float = Field(ge=0.0, description="× the embeddings' LR, on top of layer decay; 0 "
                                                            "freezes them (less work a step).")
-    warmup_fraction: float = Field(ge=0.0, lt=1.0, description="The share of steps the LR warms up over.")
+    warmup_fraction: WarmupFraction
     schedule: Literal["linear", "cosine", "constant"] = Field(description="The LR after warmup.")
-    grad_clip: float = Field(ge=0.0, description="The gradients' largest global norm; 0 turns clipping off.")
+    grad_clip: GradClip
     grad_accum: PositiveInt = Field(description="Steps whose gradients add up to one optimiser update.")
     batch_size: dict[str, PositiveInt] = Field(
         32, validate_default=True, description=f"Examples per training batch. {PER_TASK}")
@@ -254,10 +260,8 @@ class TrainParams(Section):
                                               f"{PER_TASK}")
     max_batch_tokens: Count = Field(description="A batch over this many padded tokens runs in pieces whose "
                                                 "gradients add up to its own; 0: never split.")
-    bf16: Bf16 = Field(description="bf16 autocast: true, false, or auto (where the device computes bf16 "
-                                   "natively; fp32 elsewhere).")
-    nproc: PositiveInt = Field(description="Data-parallel processes on this machine; > 1 relaunches the stage "
-                                           "through torchrun.")
+    bf16: Bf16
+    nproc: Processes
     gradient: Literal["plain", "pcgrad"] = Field(description="pcgrad: gradient surgery across the tasks of a "
                                                              "step (needs sampler joint).")
     select: Literal["task", "overall"] = Field(description="Each task's model from its own best dev epoch, or "

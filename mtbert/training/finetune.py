@@ -5,9 +5,9 @@ Read it top to bottom, as the `train` and `distill` stages call it (`fine_tune`)
     run, progress = start(params, variant, paths)  # the process set up; model, data, optimiser; resumed
     summary = train(run, progress)                 # the loop
 
-`train` runs, per epoch, the sampler's schedule of steps. `step` is one step's batches, forward, loss
-and backward; `update` one optimiser update (the ranks' average, clipping, AdamW, the LR schedule, the
-moving average). The rest, by job:
+`train` runs, per epoch, the sampler's schedule of steps. `accumulate_gradients` is one step: its batches,
+forward, loss and backward, the gradients adding up in `.grad`. `update` is one optimiser update (the ranks'
+average, clipping, AdamW, the LR schedule, the moving average), every train.grad_accum steps. The rest, by job:
 - training/build.py: `FineTuning` (what the loop works with), `prepare`, the schedule, the fingerprint;
 - training/progress.py: `Progress` (counters, running sums, history) and the checkpoint a killed run
   resumes from (`checkpoint`, `resume`);
@@ -95,7 +95,7 @@ def train_epoch(run: FineTuning, progress: Progress) -> None:
               unit="step", mininterval=2.0, disable=not run.ranks.is_main) as bar:
         run.stopwatch.start()
         while progress.step_in_epoch < len(epoch_steps):
-            step(run, progress, epoch_steps[progress.step_in_epoch])
+            accumulate_gradients(run, progress, epoch_steps[progress.step_in_epoch])
             progress.step_in_epoch += 1
             bar.update(1)
             if progress.step_in_epoch % run.params.runtime.check_every == 0:
@@ -110,7 +110,7 @@ def train_epoch(run: FineTuning, progress: Progress) -> None:
         run.stopwatch.stop()
 
 
-def step(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> None:
+def accumulate_gradients(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> None:
     """One step's gradients: for each task, its next batch (this rank's share) in pieces, forward, loss,
     backward. Each piece's loss is scaled by its share of the global batch and by 1 / grad_accum, so the
     gradients summed over pieces, ranks and accumulated steps are the global batch's mean. With PCGrad each

@@ -3,7 +3,7 @@
 Each task's gradient is projected onto the normal plane of every other task's (original) gradient it
 conflicts with (negative dot product), the others taken in random order; the projected gradients are
 summed. Gradients that do not conflict pass unchanged. `PCGrad` collects a step's gradients per task for
-that (`train.gradient: pcgrad`); mtbert/training/finetune.py's `step` calls it in place of `backward()`.
+that (`train.gradient: pcgrad`); mtbert/training/finetune.py's `accumulate_gradients` calls it in place of `backward()`.
 """
 
 from __future__ import annotations
