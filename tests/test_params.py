@@ -135,6 +135,32 @@ def test_a_per_task_map_naming_an_undeclared_task_is_refused(raw_params):
         parse_params(raw_params)
 
 
+@pytest.mark.parametrize(("override", "message"), [
+    ({"train": {"batch_size": 0}}, "models.big.train.batch_size: expected greater than or equal to 1, got 0"),
+    ({"train": {"batch_size": {"qqp": 0}}}, "models.big.train.batch_size.qqp: expected greater than or equal to 1"),
+    ({"heads": {"sst": {"dropout": 2.0}}}, "models.big.heads.sst.dropout: expected less than 1, got 2.0"),
+])
+def test_a_variants_per_task_error_names_the_key_as_the_variant_wrote_it(raw_params, override, message):
+    raw_params["models"] = {"base": {}, "big": override}
+    with pytest.raises(ParamsError, match=f"^params: {message}"):
+        parse_params(raw_params)
+
+
+def test_errors_inside_mappings_keep_their_whole_key(raw_params):
+    with pytest.raises(ParamsError, match=r"^params: tasks.sst.label: expected a valid string, got 3$"):
+        parse_params(with_value(raw_params, "tasks.sst.label", 3))
+    with pytest.raises(ParamsError, match=r"^params: heads.qqp.pooling: expected 'cls', 'mean'"):
+        parse_params(with_value(raw_params, "heads", {"qqp": {"pooling": "first"}}))
+
+
+def test_a_changed_per_task_knob_names_its_task(raw_params):
+    from mtbert.params import with_changes
+
+    train = parse_params(raw_params).train
+    with pytest.raises(ParamsError, match=r"^batch_size.sts: expected greater than or equal to 1, got 0$"):
+        with_changes(train, batch_size={**train.batch_size, "sts": 0})
+
+
 def test_a_task_left_out_of_heads_gets_every_default(raw_params):
     from mtbert.params import HeadParams
 
