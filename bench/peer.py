@@ -210,7 +210,8 @@ class TrainerPeer:
 
 # --- mtbert's side ----------------------------------------------------------------------------------
 def mtbert_step(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> tuple[int, int]:
-    """One step of the `train` stage (`accumulate_gradients`, then the optimiser `update`); its examples and non-padding tokens."""
+    """One step of the `train` stage (`accumulate_gradients`, then the optimiser `update`); its examples and
+    non-padding tokens."""
     before = progress.totals.examples, progress.totals.tokens
     accumulate_gradients(run, progress, tasks)
     update(run, progress)
