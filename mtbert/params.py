@@ -363,12 +363,30 @@ class CheckpointEvery(Section):
 class PadToMultiple(Section):
     """A training batch's width: its longest row rounded up to a multiple of this, per device."""
     cpu: PositiveInt = Field(description="On a CPU (1: the longest row's, the fastest there).")
-    cuda: PositiveInt = Field(description="On a GPU: a few static shapes, what CUDA graphs or a compiler would "
-                                          "capture once each (mtbert runs them eagerly so far).")
+    cuda: PositiveInt = Field(description="On a GPU: a few static shapes, each captured once when "
+                                          "runtime.capture.cuda is on.")
 
     def on(self, device_type: str) -> int:
         """The multiple for a torch device type ("cpu", "cuda")."""
         return self.cuda if device_type == "cuda" else self.cpu
+
+
+class CaptureSteps(Section):
+    """Whole training steps captured as CUDA graphs and replayed (mtbert/training/capture.py)."""
+    cuda: bool = Field(description="On a GPU: each (task, batch shape) step is captured once as a CUDA graph "
+                                   "(forward, loss, backward, clipping, AdamW, the moving average) and replayed. "
+                                   "A run whose step needs the host (SMART, PCGrad, distillation, grad_accum > 1, "
+                                   "several ranks) runs the eager step and says why. A CPU has no captured steps.")
+
+
+class EvalBatchSize(Section):
+    """Rows per batch when a stage predicts a whole split (the dev evaluation, `predict`), per device."""
+    cpu: Count = Field(description="On a CPU; 0: the stage's own (train.eval_batch_size, predict.batch_size).")
+    cuda: Count = Field(description="On a GPU, where large batches keep it busy; 0: the stage's own.")
+
+    def on(self, device_type: str, stage_batch_size: int) -> int:
+        """The batch size on a torch device type: this section's, or the stage's where it says 0."""
+        return (self.cuda if device_type == "cuda" else self.cpu) or stage_batch_size
 
 
 class RuntimeParams(Section):
@@ -379,14 +397,21 @@ class RuntimeParams(Section):
     check_every: PositiveInt = Field(description="Fine-tuning steps between the host's reads of the device's "
                                                  "losses for non-finite values (each checkpoint and epoch end "
                                                  "reads them too); in between, the host never waits for a GPU.")
-    pad_to_multiple: PadToMultiple = Field(description="Training batches padded to a multiple of this many tokens. "
-                                                       "Only the random draws (dropout masks, SMART's noise: one "
-                                                       "per padded position) and float rounding change, as they "
-                                                       "do on another device.")
+    pad_to_multiple: PadToMultiple = Field(description="Training and evaluation batches padded to a multiple of "
+                                                       "this many tokens. Only the random draws (dropout masks, "
+                                                       "SMART's noise: one per padded position) and float rounding "
+                                                       "change, as they do on another device.")
+    capture: CaptureSteps = Field(description="Training steps captured as CUDA graphs, per device.")
+    eval_batch_size: EvalBatchSize = Field(description="Rows per batch of a whole split's predictions, per device.")
     onednn_cache: Count = Field(description="oneDNN kernels kept, one per op and shape (bf16 only); 0: oneDNN's "
                                             "default (1024).")
     malloc_threshold_mb: Count = Field(description="glibc's mmap and trim threshold; 0: glibc's adaptive "
                                                    "default.")
+
+    def split_batches(self, device_type: str, stage_batch_size: int) -> dict[str, int]:
+        """How a stage batches a whole split's predictions on this device: predict_split's keyword arguments."""
+        return {"batch_size": self.eval_batch_size.on(device_type, stage_batch_size),
+                "multiple": self.pad_to_multiple.on(device_type)}
 
 
 class EnsembleParams(Section):

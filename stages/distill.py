@@ -123,8 +123,9 @@ def main(student: str = typer.Option(..., "--student", help="a key of distill.st
     model, _ = load_model(outputs.model)
     model.to(device)
     with io.atomic_dir(outputs.dumps) as temp:  # as predict's dumps of a variant
-        dev = write_predictions(model, ("dev", "test"), tokenized_dir, rejects_file, temp, own.predict.batch_size,
-                                device, use_bf16(own.predict.bf16, device))
+        dev = write_predictions(model, ("dev", "test"), tokenized_dir, rejects_file, temp, device=device,
+                                bf16=use_bf16(own.predict.bf16, device),
+                                **own.runtime.split_batches(device.type, own.predict.batch_size))
     io.write_metrics(outputs.metrics, {**dev, "distill": record})
     log.info("%s dev: overall %.4f  %s", student, dev["overall"], headline_summary(dev, tasks))
 

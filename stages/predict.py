@@ -44,8 +44,9 @@ def main(variant: str = typer.Option(..., "--variant", help="a key of `models:` 
     model.to(device)
     out_dir = predictions_dir / variant
     splits = ("dev", "test", "train", "transfer") if all_params.distill.enabled else ("dev", "test")
-    dev_metrics = write_predictions(model, splits, tokenized_dir, rejects_file, out_dir, params.batch_size, device,
-                                    bf16, transfer_dir)
+    batching = all_params.runtime.split_batches(device.type, params.batch_size)
+    dev_metrics = write_predictions(model, splits, tokenized_dir, rejects_file, out_dir, device=device, bf16=bf16,
+                                    transfer_dir=transfer_dir, **batching)
     io.write_metrics(metrics_dir / f"{variant}.json", dev_metrics)
     log.info("%s dev: overall %.4f  %s", variant, dev_metrics["overall"], headline_summary(dev_metrics, model.tasks))
 

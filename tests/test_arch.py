@@ -235,7 +235,8 @@ def test_pcgrad_trains_joint_steps_with_gradient_accumulation(tmp_path, tiny_bac
 
 def test_a_batch_run_in_pieces_under_max_batch_tokens_gives_the_whole_batchs_gradient(tmp_path, tiny_backbone,
                                                                                      tiny_tokenized):
-    from mtbert.training.finetune import accumulate_gradients, micro_batches
+    from mtbert.data.batches import micro_batches
+    from mtbert.training.finetune import accumulate_gradients
 
     totals, gradients, lengths = {}, {}, None
     for budget in (0, 8):  # 8 tokens: every row of the tiny data is a piece of its own

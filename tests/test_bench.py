@@ -215,3 +215,30 @@ def test_deploy_bench_writes_every_figure(tmp_path, deployed):
     assert server["latency_ms"]["p99"] >= server["latency_ms"]["p50"] > 0 and server["requests_per_second"] > 0
     assert server["peak_rss_mib"] > 50  # the server process (Python, ONNX Runtime and the graphs) was measured
     assert "8. deployment" in result.output and "mtbert serve (1 worker(s)): 12 requests" in result.output
+
+
+@pytest.mark.slow(reason="four small trainings and a BERT-base-shaped encoder built on the CPU")
+def test_the_gpu_bench_dry_runs_on_the_cpu(tmp_path, tiny_backbone, tiny_tokenized):
+    """`python -m bench.gpu` end to end without a GPU: the eager step and the peer on the same examples, the
+    BERT-base-shaped encoder, the short run; the CUDA parts (peak, captured step) are absent."""
+    from bench.gpu import app as gpu_app
+
+    params = make_params(tmp_path, tiny_backbone, write_raw_files(tmp_path / "raw", synthetic_raw_files(16)))
+    out = tmp_path / "bench-gpu.json"
+    result = CliRunner().invoke(gpu_app, ["--steps-per-task", "2", "--block", "1", "--base-steps-per-task", "1",
+                                          "--short-rows", "8", "--params-file", str(params),
+                                          "--tokenized-dir", str(tiny_tokenized), "--json-out", str(out)])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    assert figures["device"] == "cpu (dry run)" and figures["bf16_peak_tflops"] is None
+    default = figures["default"]
+    assert set(default) == {"eager", "peer", "eager_over_peer"} and default["eager_over_peer"] > 0
+    for side in ("eager", "peer"):
+        assert default[side]["examples_per_second"] > 0 and default[side]["peak_fraction"] is None
+        assert all(task["batches"] == 2 and task["examples"] == 8 for task in default[side]["tasks"].values())
+    # the same examples each way (STS's bi-encoder would add a [CLS] per pair; the tests cross-encode it)
+    assert {t: s["tokens"] for t, s in default["eager"]["tasks"].items()} == \
+           {t: s["tokens"] for t, s in default["peer"]["tasks"].items()}
+    assert set(figures["bert_base_shaped"]) == {"eager"}
+    assert figures["bert_base_shaped"]["eager"]["tasks"]["sst"]["batches"] == 1
+    assert set(figures["short_run"]) == {"eager"} and 0 <= figures["short_run"]["eager"]["dev"]["overall"] <= 1

@@ -143,7 +143,7 @@ def test_round_robin_smallest_uses_other_rows_of_the_larger_task_each_epoch_and_
 
 
 def test_the_token_budget_of_a_piece_counts_its_static_width():
-    from mtbert.training.finetune import micro_batches
+    from mtbert.data.batches import micro_batches
 
     rows, lengths = np.arange(30), np.full(30, 68)  # 2,040 tokens as they are, 2,400 padded to 80
     assert len(micro_batches(rows, lengths, 2048)) == 1

@@ -8,6 +8,7 @@ that a GPU sees a few static shapes (runtime.pad_to_multiple).
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,23 @@ from mtbert.runtime import MissingInputError
 def padded_width(longest: int, multiple: int = 1) -> int:
     """A batch's width: its longest row's length rounded up to a multiple of `multiple`."""
     return -(-longest // multiple) * multiple
+
+
+def micro_batches(rows: np.ndarray, lengths: np.ndarray, max_batch_tokens: int,
+                  multiple: int = 1) -> list[np.ndarray]:
+    """`rows` in pieces of at most `max_batch_tokens` padded tokens (0: one piece), widths padded to a multiple
+    of `multiple`. A batch of long sentences otherwise holds all its activations at once, and those few
+    batches set training's memory peak. The pieces' gradients add up to the batch's; only the dropout masks
+    are drawn differently."""
+    if not max_batch_tokens or len(rows) <= 1:
+        return [rows] if len(rows) else []
+    padded_tokens = len(rows) * padded_width(int(lengths[rows].max()), multiple)
+    return np.array_split(rows, min(len(rows), math.ceil(padded_tokens / max_batch_tokens)))
+
+
+def padding_free_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """A batch's tokens that are not padding, counted on the host."""
+    return int(sum(v.sum() for k, v in batch.items() if k.startswith("attention_mask")))
 
 
 @dataclasses.dataclass

@@ -35,10 +35,12 @@ class MovingAverage:
     separate = True  # the averaged model is a copy, evaluated beside the raw weights
 
     def __init__(self, model: nn.Module, decay: float, debiased: bool = False):
+        self.decay, self.debiased = decay, debiased
         self.average = debiased_ema(decay) if debiased else get_ema_multi_avg_fn(decay)
         self.averaged = AveragedModel(model, multi_avg_fn=self.average)
         self.averaged.requires_grad_(False)
         self.averaged.update_parameters(model)  # the first update copies every weight
+        self.device_count: torch.Tensor | None = None  # update_on_device's copy of the update count
 
     @property
     def model(self) -> nn.Module:
@@ -59,11 +61,41 @@ class MovingAverage:
                 averaged.copy_(current)  # buffers are kept in step, not averaged (as AveragedModel does)
         self.averaged.n_averaged += 1
 
+    def update_on_device(self, model: nn.Module) -> None:
+        """`update` with no number read by the host, so that a CUDA graph can hold it (training/capture.py):
+        the debiasing weight (1 - d) / (1 - d^t) is computed on the device from a device copy of the count t,
+        and the lerp is written as avg += weight * (current - avg). Rounding differs from `update`'s lerp by
+        an ulp, so a run uses one or the other throughout. The host's own count goes on outside the graph
+        (`count_update`)."""
+        if self.device_count is None:  # from the count a checkpoint restored, before the first capture
+            device = next(model.parameters()).device
+            self.device_count = self.averaged.n_averaged.to(device=device, dtype=torch.float64)
+        moving = [(averaged, current.detach()) for averaged, current
+                  in zip(self.model.parameters(), model.parameters(), strict=True) if current.requires_grad]
+        if self.debiased:
+            weight = ((1 - self.decay) / (1 - torch.pow(self.decay, self.device_count))).float()
+        else:
+            weight = torch.full_like(self.device_count, 1 - self.decay, dtype=torch.float32)
+        with torch.no_grad():
+            if moving:
+                averaged, current = [a for a, _ in moving], [c for _, c in moving]
+                difference = torch._foreach_sub(current, averaged)
+                torch._foreach_mul_(difference, weight)
+                torch._foreach_add_(averaged, difference)
+            for averaged_buffer, buffer in zip(self.model.buffers(), model.buffers(), strict=True):
+                averaged_buffer.copy_(buffer)
+            self.device_count.add_(1)
+
+    def count_update(self) -> None:
+        """The host's count of updates, after an `update_on_device` (its checkpoint records it)."""
+        self.averaged.n_averaged += 1
+
     def state_dict(self) -> dict:
         return self.averaged.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.averaged.load_state_dict(state)
+        self.device_count = None  # taken again from the restored count
 
 
 class NoAverage:
@@ -74,6 +106,12 @@ class NoAverage:
         self.model = model
 
     def update(self, model: nn.Module) -> None:
+        pass
+
+    def update_on_device(self, model: nn.Module) -> None:
+        pass
+
+    def count_update(self) -> None:
         pass
 
     def state_dict(self) -> dict:

@@ -19,6 +19,7 @@ from mtbert.model.multitask import MultitaskModel
 from mtbert.params import Params, TrainParams, as_dict
 from mtbert.runtime import use_bf16
 from mtbert.training.averaging import MovingAverage, NoAverage, weight_average
+from mtbert.training.capture import CapturedSteps, captured_steps
 from mtbert.training.distillation import Distillation
 from mtbert.training.distributed import Ranks, sync_parameters
 from mtbert.training.loop import FiniteWatch, Paths, Stopwatch, fingerprint, trainable
@@ -60,6 +61,7 @@ class FineTuning:
     steps_per_epoch: int
     stopwatch: Stopwatch
     finite: FiniteWatch  # the step's losses, checked for non-finite values without waiting for the device
+    captured: CapturedSteps | None = None  # runtime.capture: the step replayed as CUDA graphs (training/capture.py)
 
     @property
     def train(self) -> TrainParams:
@@ -69,6 +71,11 @@ class FineTuning:
     def pad_multiple(self) -> int:
         """Training batches' widths are multiples of this (runtime.pad_to_multiple on this device)."""
         return self.params.runtime.pad_to_multiple.on(self.device.type)
+
+    @property
+    def split_batches(self) -> dict[str, int]:
+        """How the dev evaluation batches a split on this device (runtime.eval_batch_size, pad_to_multiple)."""
+        return self.params.runtime.split_batches(self.device.type, self.train.eval_batch_size)
 
     @property
     def saved_epochs(self) -> Path:
@@ -111,10 +118,12 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
                           distillation.loss if distillation is not None else gold_loss)
     # after the optimiser froze the LR-0 parameters
     pcgrad = PCGrad(trainable(model), ranks, device) if p.gradient == "pcgrad" else None
-    return FineTuning(params, variant, paths, fingerprint, ranks, device, bf16, tasks, load_tokenizer(start), model,
-                      train_data, dev_data, snapshot_data, row_lengths, streams, optimizer, scheduler, objective,
-                      pcgrad, average, steps, Stopwatch(),
-                      FiniteWatch(paths.checkpoints, "Lower train.lr or turn off train.bf16."))
+    run = FineTuning(params, variant, paths, fingerprint, ranks, device, bf16, tasks, load_tokenizer(start), model,
+                     train_data, dev_data, snapshot_data, row_lengths, streams, optimizer, scheduler, objective,
+                     pcgrad, average, steps, Stopwatch(),
+                     FiniteWatch(paths.checkpoints, "Lower train.lr or turn off train.bf16."))
+    run.captured = captured_steps(run)
+    return run
 
 
 def snapshot_splits(p: TrainParams, tokenized: Path, task: Task, dev: TaskSplit) -> dict[str, TaskSplit]:

@@ -281,7 +281,12 @@ def remove_checkpoint_folder(folder: Path) -> None:
 def restore(state: Any, model: torch.nn.Module, optimizer, scheduler, ranks: Ranks) -> dict:
     """Load a checkpoint's weights, optimiser, scheduler and this rank's RNG; return this rank's own state."""
     model.load_state_dict(state.model)
+    capturable = [group.get("capturable", False) for group in optimizer.param_groups]
     optimizer.load_state_dict(state.optimizer)
+    for group, was_capturable in zip(optimizer.param_groups, capturable, strict=True):
+        # a run with captured steps saved each lr as a device tensor: a number again, made a tensor again by
+        # training/capture.py if this run captures its steps too
+        group["lr"], group["capturable"] = float(group["lr"]), was_capturable
     scheduler.load_state_dict(state.scheduler)
     own = state.ranks[ranks.rank]
     set_rng_state(own["rng"])

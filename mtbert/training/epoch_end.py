@@ -32,7 +32,7 @@ def end_epoch(run: FineTuning, progress: Progress, live) -> None:
     if run.ranks.is_main:
         dev = evaluate_and_dump(run, progress.epoch + 1)
         if run.average.separate and run.train.dev_raw:  # the raw weights beside their moving average
-            dev_raw = evaluate(run.model, run.dev_data, run.train.eval_batch_size, run.device, run.bf16)
+            dev_raw = evaluate(run.model, run.dev_data, device=run.device, bf16=run.bf16, **run.split_batches)
     dev, dev_raw = broadcast((dev, dev_raw), run.ranks)
     record = epoch_record(run, progress, dev, dev_raw)
     progress.history.append(record)
@@ -55,11 +55,11 @@ def evaluate_and_dump(run: FineTuning, epoch: int) -> dict:
     model = run.average.model
     dev = {}
     for name, split in run.dev_data.items():
-        values = predict_split(model, split, run.train.eval_batch_size, run.device, run.bf16)
+        values = predict_split(model, split, device=run.device, bf16=run.bf16, **run.split_batches)
         dev[name] = task_metrics(split.task, values, split.labels)
         for split_name, data in run.snapshot_data.get(name, {}).items():
             if data is not split:
-                values = predict_split(model, data, run.train.eval_batch_size, run.device, run.bf16)
+                values = predict_split(model, data, device=run.device, bf16=run.bf16, **run.split_batches)
             write_dump(directory, data.task, split_name, data.ids, values)
     dev["overall"] = overall(dev, run.tasks)
     return dev
@@ -71,7 +71,7 @@ def epoch_record(run: FineTuning, progress: Progress, dev: dict, dev_raw: dict |
     record = {"epoch": epoch, "dev": dev,
               "train_loss": {name: totals.loss_sum[name] / max(totals.batches[name], 1) for name in run.tasks},
               "task_batches": dict(totals.batches), "examples": totals.examples, "tokens": totals.tokens,
-              "lr": run.scheduler.get_last_lr()[0],
+              "lr": float(run.scheduler.get_last_lr()[0]),
               "regularisers": {name: total / n for name, (total, n) in sorted(totals.regularisers.items())}}
     if dev_raw is not None:
         record["dev_raw"] = dev_raw

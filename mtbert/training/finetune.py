@@ -20,13 +20,10 @@ average, clipping, AdamW, the LR schedule, the moving average), every train.grad
 from __future__ import annotations
 
 import logging
-import math
 
-import numpy as np
-import torch
 from tqdm.auto import tqdm
 
-from mtbert.data.batches import on_device, padded_width
+from mtbert.data.batches import micro_batches, on_device, padding_free_tokens
 from mtbert.params import Params
 from mtbert.rng import PCGRAD_ORDER, generator
 from mtbert.runtime import limit_memory_growth, open_live
@@ -35,15 +32,10 @@ from mtbert.training.distillation import Distillation
 from mtbert.training.distributed import average_gradients, setup_process, shard, shutdown
 from mtbert.training.epoch_end import end_epoch, log_epoch
 from mtbert.training.loop import Paths, clip_and_step, finish, trainable
-from mtbert.training.objective import BatchLoss
-from mtbert.training.progress import EpochTotals, Progress, checkpoint, resume
+from mtbert.training.progress import Progress, checkpoint, resume
 from mtbert.training.publish import parameter_count, publish, summary
 
 log = logging.getLogger("train")
-
-# Per-batch figures of BatchLoss, averaged per epoch.
-REGULARISERS = ("smart_loss", "bregman_loss", "delta_ratio", "delta_l2_ratio", "ascended")
-
 
 def start(params: Params, variant: str, paths: Paths,
           distillation: Distillation | None = None) -> tuple[FineTuning, Progress]:
@@ -95,19 +87,26 @@ def train_epoch(run: FineTuning, progress: Progress) -> None:
               unit="step", mininterval=2.0, disable=not run.ranks.is_main) as bar:
         run.stopwatch.start()
         while progress.step_in_epoch < len(epoch_steps):
-            accumulate_gradients(run, progress, epoch_steps[progress.step_in_epoch])
+            tasks, updates = epoch_steps[progress.step_in_epoch], progress.updates
+            if run.captured is not None:  # the step and its update, one CUDA graph replayed
+                run.captured.step(run, progress, tasks)
+            else:
+                accumulate_gradients(run, progress, tasks)
             progress.step_in_epoch += 1
             bar.update(1)
             if progress.step_in_epoch % run.params.runtime.check_every == 0:
                 run.finite.check()  # the host's one wait for the device in these steps
-            if progress.step_in_epoch % run.train.grad_accum == 0 or progress.step_in_epoch == len(epoch_steps):
+            if run.captured is None and (progress.step_in_epoch % run.train.grad_accum == 0
+                                         or progress.step_in_epoch == len(epoch_steps)):
                 update(run, progress)
-                if (progress.updates % run.params.runtime.checkpoint_every.train == 0
-                        and progress.step_in_epoch < len(epoch_steps)):
-                    run.finite.check()  # never a checkpoint of spoiled weights
-                    checkpoint(run, progress)
+            if (progress.updates > updates and progress.updates % run.params.runtime.checkpoint_every.train == 0
+                    and progress.step_in_epoch < len(epoch_steps)):
+                run.finite.check()  # never a checkpoint of spoiled weights
+                checkpoint(run, progress)
         run.finite.check()
         run.stopwatch.stop()
+    if run.captured is not None:
+        log.info("epoch %d: %s", progress.epoch + 1, run.captured.summary())
 
 
 def accumulate_gradients(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> None:
@@ -125,7 +124,7 @@ def accumulate_gradients(run: FineTuning, progress: Progress, tasks: tuple[str, 
             loss = run.objective(run.model, task, batch)  # the task's loss plus each regulariser's, weighted
             run.finite.add(loss.total, f"{task} loss",
                            f"at epoch {progress.epoch + 1} step {progress.step_in_epoch + 1}")
-            count(progress.totals, task, len(piece), tokens, loss, weight=len(piece) / len(rows))
+            progress.totals.add(task, len(piece), tokens, loss, weight=len(piece) / len(rows))
             share = len(piece) * run.ranks.world_size / len(global_rows)  # of the global batch
             if run.pcgrad is None:
                 (loss.total * share / run.train.grad_accum).backward()  # frees the piece's activations
@@ -137,35 +136,6 @@ def accumulate_gradients(run: FineTuning, progress: Progress, tasks: tuple[str, 
             run.pcgrad.end_task()
     if run.pcgrad is not None:
         run.pcgrad.end_step(generator(run.train.seed, PCGRAD_ORDER, progress.epoch, progress.step_in_epoch))
-
-
-def micro_batches(rows: np.ndarray, lengths: np.ndarray, max_batch_tokens: int,
-                  multiple: int = 1) -> list[np.ndarray]:
-    """`rows` in pieces of at most `max_batch_tokens` padded tokens (0: one piece), widths padded to a multiple
-    of `multiple`. A batch of long sentences otherwise holds all its activations at once, and those few
-    batches set training's memory peak. The pieces' gradients add up to the batch's; only the dropout masks
-    are drawn differently."""
-    if not max_batch_tokens or len(rows) <= 1:
-        return [rows] if len(rows) else []
-    padded_tokens = len(rows) * padded_width(int(lengths[rows].max()), multiple)
-    return np.array_split(rows, min(len(rows), math.ceil(padded_tokens / max_batch_tokens)))
-
-
-def padding_free_tokens(batch: dict[str, torch.Tensor]) -> int:
-    return int(sum(v.sum() for k, v in batch.items() if k.startswith("attention_mask")))
-
-
-def count(totals: EpochTotals, task: str, examples: int, tokens: int, result: BatchLoss, weight: float) -> None:
-    """Add a piece's figures to the epoch's sums; `weight` is its share of this rank's batch. The loss is
-    summed on the device (in float64, as the host summed it), so that the step never waits for it."""
-    totals.loss_sum[task] = totals.loss_sum[task] + result.task_loss.double() * weight
-    totals.examples += examples
-    totals.tokens += tokens
-    for name in REGULARISERS:
-        value = getattr(result, name)
-        if value is not None:
-            total, n = totals.regularisers.get(f"{task}/{name}", (0.0, 0))
-            totals.regularisers[f"{task}/{name}"] = [total + value * weight, n + weight]
 
 
 def update(run: FineTuning, progress: Progress) -> None:

@@ -91,6 +91,7 @@ class Objective:
     def __init__(self, model: MultitaskModel, params: SmartParams, device: torch.device, bf16: bool, seed: int,
                  task_loss=gold_loss):
         self.params, self.device, self.bf16 = params, device, bf16
+        self.autocast_cache = True  # off for captured steps: a CUDA graph must not hold autocast's cached casts
         self.task_loss = task_loss  # (model, task, outputs, batch) -> the batch-mean task loss
         uses_smart = any(params.task_weight(task) > 0 for task in model.tasks)
         site = functools.partial(model.perturbation_site, where=params.perturb)
@@ -100,7 +101,8 @@ class Objective:
                      ([BregmanTerm(self.teacher, params.mu)] if self.teacher is not None else [])
 
     def forward(self, model: torch.nn.Module, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16,
+                            cache_enabled=self.autocast_cache):
             return model(task, batch)
 
     def __call__(self, model: MultitaskModel, task: str, batch: dict[str, torch.Tensor]) -> BatchLoss:

@@ -10,8 +10,12 @@ import shutil
 from mtbert.training.build import FineTuning
 from mtbert.training.checkpoint import every_rank
 from mtbert.training.loop import load_latest, write_checkpoint
+from mtbert.training.objective import BatchLoss
 
 log = logging.getLogger("train")
+
+# Per-batch figures of BatchLoss, averaged per epoch.
+REGULARISERS = ("smart_loss", "bregman_loss", "delta_ratio", "delta_l2_ratio", "ascended")
 
 
 @dataclasses.dataclass
@@ -26,6 +30,18 @@ class EpochTotals:
     @classmethod
     def empty(cls, tasks) -> EpochTotals:
         return cls(loss_sum={name: 0.0 for name in tasks}, batches={name: 0 for name in tasks})
+
+    def add(self, task: str, examples: int, tokens: int, result: BatchLoss, weight: float) -> None:
+        """A piece's figures added to the sums; `weight` is its share of this rank's batch. The loss is summed
+        on the device (in float64, as the host summed it), so that the step never waits for it."""
+        self.loss_sum[task] = self.loss_sum[task] + result.task_loss.double() * weight
+        self.examples += examples
+        self.tokens += tokens
+        for name in REGULARISERS:
+            value = getattr(result, name)
+            if value is not None:
+                total, n = self.regularisers.get(f"{task}/{name}", (0.0, 0))
+                self.regularisers[f"{task}/{name}"] = [total + value * weight, n + weight]
 
     def settle(self) -> EpochTotals:
         """The loss sums, which the steps keep on the device, read as numbers (for a checkpoint or the epoch's
