@@ -232,6 +232,7 @@ def test_a_captured_run_trains_what_the_eager_run_trains(tmp_path, fp32_run, dro
 
 def replayed_losses(backbone: Path, out: Path, tokenized: Path) -> tuple[float, float]:
     """One captured graph replayed twice on the same batch from the same weights: its two losses."""
+    out.mkdir()
     params = variant_params(captured_params(out, backbone), "base")
     run, progress = finetune.start(params, "base", stage_paths(out, tokenized))
     run.model.train()
