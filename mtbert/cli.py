@@ -51,7 +51,10 @@ def predict(texts: list[str] = typer.Argument(None, help="texts; for pair tasks 
                                                      "(fp32 graphs) | int8 | torch"),
             batch_size: int = typer.Option(128, min=1, help="texts per forward pass"),
             bf16: bool = typer.Option(False, help="PyTorch only: bf16 autocast, faster on CPUs with bf16 units"),
-            threads: int = typer.Option(0, min=0, help="CPU threads; 0 = the engine's default")) -> None:
+            threads: int = typer.Option(0, min=0, help="CPU threads; 0 = the engine's default"),
+            skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="with --input: predict the rows "
+                                               "that pass validation, and list each one skipped (its row number "
+                                               "and why) on stderr; default: a bad row refuses the file")) -> None:
     """Predict the requested tasks for every text, one JSON line per input row."""
     from mtbert.deploy.predictors import load_predictor
 
@@ -63,7 +66,12 @@ def predict(texts: list[str] = typer.Argument(None, help="texts; for pair tasks 
     predictor = load_predictor(model=model, ensemble=ensemble, models_dir=models_dir, engine=engine,
                                batch_size=batch_size, threads=threads, bf16=bf16)
     columns = text_columns(predictor, task)
-    rows = rows_from_arguments(texts, columns) if texts else rows_from_file(input_file, columns)
+    if texts:
+        rows = rows_from_arguments(texts, columns)
+    else:
+        rows = rows_from_file(input_file, columns, skip_bad_rows)
+        if skip_bad_rows:
+            rows = valid_rows(rows, predictor, task, "stdin" if input_file == "-" else input_file)
     results = [{"id": row["id"], **{column: row[column] for column in columns}} for row in rows]
     for name in task:
         values = predictor.predict(name, [tuple(row[c] for c in predictor.tasks[name].text_columns) for row in rows])
@@ -189,8 +197,9 @@ def rows_from_arguments(texts: list[str], columns: list[str]) -> list[dict]:
             for index, start in enumerate(range(0, len(texts), width))]
 
 
-def rows_from_file(name: str, columns: list[str]) -> list[dict]:
-    """Rows of a TSV or JSON-lines file (JSON lines when its first character is `{`), each with an id."""
+def rows_from_file(name: str, columns: list[str], keep_bad: bool = False) -> list[dict]:
+    """Rows of a TSV or JSON-lines file (JSON lines when its first character is `{`), each with an id and its
+    row number. A row without a column is an error, or with `keep_bad` left for `valid_rows` to report."""
     label = "stdin" if name == "-" else name
     data = sys.stdin.buffer.read() if name == "-" else read_bytes(Path(name))
     try:
@@ -203,10 +212,43 @@ def rows_from_file(name: str, columns: list[str]) -> list[dict]:
         raise CommandInputError(f"{label}: no rows; expected {' and '.join(columns)} per row")
     for index, row in enumerate(rows, start=1):
         missing = [column for column in columns if column not in row or row[column] is None]
-        if missing:
+        if missing and not keep_bad:
             raise CommandInputError(f"{label} row {index}: no {missing[0]!r}; expected {' and '.join(columns)}")
-        row["id"] = str(row.get("id") or index)
+        row["id"], row[ROW_NUMBER] = str(row.get("id") or index), index
     return rows
+
+
+ROW_NUMBER = "_row"  # a file row's number, for the report of a skipped row; not an output column
+
+
+def valid_rows(rows: list[dict], predictor, tasks: list[str], label: str) -> list[dict]:
+    """The rows every requested task can read; each other one reported on stderr in one line (its row
+    number, id and why), as `tokenize` reports the raw files' rejects, then how many were skipped."""
+    from mtbert.inputs import InputError, check_texts
+
+    kept = []
+    for row in rows:
+        reason = None
+        for name in tasks:
+            columns = predictor.tasks[name].text_columns
+            missing = [column for column in columns if row.get(column) is None]
+            if missing:
+                reason = f"no {missing[0]!r}"
+                break
+            try:
+                check_texts(predictor.tasks[name], [tuple(row[column] for column in columns)], "")
+            except InputError as error:
+                reason = str(error).split(": ", 1)[1]  # without check_texts' own "row 1" prefix
+                break
+        if reason is None:
+            kept.append(row)
+        else:
+            print(f"{label} row {row[ROW_NUMBER]} (id {row['id']}): skipped: {reason}", file=sys.stderr)
+    if len(kept) < len(rows):
+        print(f"{label}: skipped {len(rows) - len(kept)} of {len(rows)} rows", file=sys.stderr)
+    if not kept:
+        raise CommandInputError(f"{label}: every row was skipped; nothing to predict")
+    return kept
 
 
 def read_bytes(path: Path) -> bytes:

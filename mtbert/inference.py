@@ -33,6 +33,7 @@ from mtbert.data.batches import TaskSplit, TokenColumn
 from mtbert.data.rawdata import clean_text
 from mtbert.data.tasks import Task
 from mtbert.data.tokenization import encode_rows
+from mtbert.deploy.engine import is_export, load_export
 from mtbert.evaluation.evaluate import predict_split
 from mtbert.evaluation.members import MemberEnsemble
 from mtbert.inputs import InputError, Text, check_texts
@@ -76,7 +77,11 @@ class Predictor:
     @classmethod
     def load(cls, model_dir: Path | str, **options) -> Predictor:
         """From `models/<variant>/` (the tokenizer is the one saved with its encoder, loaded as `tokenize`
-        loads the backbone's)."""
+        loads the backbone's). An export (`exports/<variant>`, `exports/ensemble`) loads on ONNX Runtime
+        instead (mtbert/deploy/engine.py), taking `engine`, `batch_size` and `threads`."""
+        if is_export(model_dir):
+            return load_export(model_dir, **{key: value for key, value in options.items()
+                                             if key in ("engine", "batch_size", "threads")})
         model, config = load_model(Path(model_dir))
         folder = Path(model_dir)
         if "task_epochs" in config:

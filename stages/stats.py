@@ -4,7 +4,9 @@ Variants whose params differ only in `train.seed` form a group, and so do the di
 `distill` (with distill.enabled; their dumps are in data/distilled/). Writes metrics/stats.json: per group and
 task the mean, std, min and max over seeds of each dev metric and of the epoch kept, and for each pair of
 groups the difference of their seed-averaged headline metrics with a paired bootstrap interval (see
-mtbert/evaluation/seeds.py); and metrics/curves.tsv, every variant's dev metrics and training loss
+mtbert/evaluation/seeds.py); per group of variants, the honest estimate of its per-task epoch choice (the
+epoch chosen on one half of dev from data/snapshots/, scored on the other, as the ensemble's is); and
+metrics/curves.tsv, every variant's dev metrics and training loss
 per epoch, which `dvc plots show` draws one panel per metric with a line per variant.
 """
 
@@ -14,12 +16,15 @@ import logging
 from itertools import combinations
 from pathlib import Path
 
+import numpy as np
 import typer
 import yaml
 
 from mtbert import io
 from mtbert.data.batches import load_split
 from mtbert.data.tasks import tasks_from_params
+from mtbert.evaluation.candidates import epoch_folders
+from mtbert.evaluation.ensemble import honest_epoch_choice
 from mtbert.evaluation.metrics import overall, task_metrics
 from mtbert.evaluation.predictions import read_aligned
 from mtbert.evaluation.report import curve_rows, curves_table
@@ -36,6 +41,7 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
          tokenized_dir: Path = typer.Option(Path("data/tokenized")),
          predictions_dir: Path = typer.Option(Path("data/predictions")),
          distilled_dir: Path = typer.Option(Path("data/distilled"), help="the distilled students' dumps"),
+         snapshots_dir: Path = typer.Option(Path("data/snapshots"), help="every epoch's dev dumps of each variant"),
          train_metrics_dir: Path = typer.Option(Path("metrics/train")),
          stats_file: Path = typer.Option(Path("metrics/stats.json")),
          curves_file: Path = typer.Option(Path("metrics/curves.tsv"))) -> None:
@@ -66,7 +72,8 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
             "variants": variants, "seeds": [seed_of(params_file, params, v) for v in variants],
             "dev": group_statistics(per_variant, tasks),
             "epochs": {name: spread([summaries[v]["task_epochs"][name] for v in variants]) for name in tasks},
-            **({"student_of": params.distill.variant} if group in students else {})}
+            **({"student_of": params.distill.variant} if group in students else
+               {"honest": honest_group(variants, snapshots_dir, dev_splits, tasks)})}
         log.info("%s (%d seeds): dev overall %.4f ± %.4f", group, len(variants),
                  report["groups"][group]["dev"]["overall"]["mean"], report["groups"][group]["dev"]["overall"]["std"])
     for first, second in combinations(groups, 2):
@@ -78,6 +85,23 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
                  result["overall"]["low"], result["overall"]["high"])
     io.write_metrics(stats_file, report)
     io.write_text(curves_file, curves_table(curves))
+
+
+def honest_group(variants: list[str], snapshots_dir: Path, dev_splits: dict, tasks: dict) -> dict:
+    """The group's per-task epoch choice estimated honestly (mtbert/evaluation/ensemble.py
+    `honest_epoch_choice`) from each variant's every-epoch dev dumps: mean ± std over the seeds of each
+    task's headline and of their overall mean."""
+    per_variant = []
+    for variant in variants:
+        folders = epoch_folders(snapshots_dir / variant)
+        if not folders:
+            raise MissingInputError(f"{snapshots_dir / variant} has no epoch-<E> dumps; run `dvc repro` for "
+                                    f"train@{variant}")
+        scores = {name: honest_epoch_choice(task, [read_aligned(folder, task, "dev", dev_splits[name].ids)
+                                                   for folder in folders], dev_splits[name].labels,
+                                            dev_splits[name].ids)["score"] for name, task in tasks.items()}
+        per_variant.append({**scores, "overall": float(np.mean(list(scores.values())))})
+    return {name: spread([scores[name] for scores in per_variant]) for name in [*tasks, "overall"]}
 
 
 def student_groups(params: Params) -> dict[str, list[str]]:

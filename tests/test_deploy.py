@@ -299,6 +299,24 @@ def test_bad_input_is_the_same_one_line_on_both_engines(deployed, arguments, std
     assert errors[0] == errors[1]
 
 
+def test_skip_bad_rows_predicts_the_rest_and_reports_each_skipped_row(deployed):
+    """One empty second sentence (as QQP's test file has at row 2194) refuses the file by default; with
+    --skip-bad-rows the other rows are predicted and the bad one is named on stderr."""
+    tsv = b"id\tsentence1\tsentence2\na\tA man sings.\tA man is singing.\nb\tA dog runs.\t\nc\tTwo cats.\tCats.\n"
+    arguments = ["--model", deployed.exports / "cross", "--task", "sts", "--input", "-"]
+    refused = predict_in_process(*arguments, stdin=tsv)
+    assert refused.returncode == 1 and "row 2: sentence2 is empty" in refused.stderr
+    kept = predict_in_process(*arguments, "--skip-bad-rows", stdin=tsv)
+    assert kept.returncode == 0, kept.stderr
+    assert [json.loads(line)["id"] for line in kept.stdout.splitlines()] == ["a", "c"]
+    assert kept.stderr.splitlines() == [
+        "stdin row 2 (id b): skipped: sentence2 is empty or invisible; expected a text with at least one visible "
+        "character", "stdin: skipped 1 of 3 rows"]
+    every = predict_in_process(*arguments, "--skip-bad-rows", stdin=b"sentence1\tsentence2\n\tx\n")
+    assert every.returncode == 1 and every.stderr.splitlines()[-1] == \
+           "error: stdin: every row was skipped; nothing to predict"
+
+
 def test_an_engine_that_cannot_run_the_folder_is_one_line(deployed):
     cases = [(["--model", deployed.exports / "cross", "--engine", "torch"],
               rf"^error: {deployed.exports / 'cross'} is an export \(ONNX graphs\), which PyTorch cannot run"),

@@ -59,8 +59,8 @@ def test_every_default_variant_student_and_the_ensemble_are_registered_models():
     students = params["distill"]["students"] if params["distill"]["enabled"] else {}
     artifacts = dvc_yaml["artifacts"]
     assert set(artifacts) == {*variants, *students, "ensemble"}
-    outs = {out if isinstance(out, str) else next(iter(out)) for out in dvc_yaml["stages"]["ensemble"]["outs"]}
-    assert artifacts["ensemble"]["path"] in outs
+    outs = {out if isinstance(out, str) else next(iter(out)) for out in dvc_yaml["stages"]["export_ensemble"]["outs"]}
+    assert artifacts["ensemble"]["path"] in outs  # the deployable ensemble
     for name in [*variants, *students]:  # train@<name> and distill@<name> write models/<name>
         assert artifacts[name] == {**artifacts[name], "path": f"models/{name}", "type": "model"}
         assert artifacts[name]["desc"] and "mtbert" in artifacts[name]["labels"]

@@ -181,8 +181,34 @@ def test_results_rows_show_the_seed_spread_only_where_there_are_seeds():
                 "method": "uniform",
                 "methods": {"uniform": {"sst": 0.54, "overall": 0.54}}}
     one, two = results_table(stats, ensemble).splitlines()[2:4]
-    assert one == "| `one`: 1 seed(s), single model, no seed spread (epochs kept: sst 2) | 0.500 | 0.500 |"
-    assert two == "| `two`: 2 seed(s), single model, mean ± std (epochs kept: sst 2) | 0.550 ± 0.071 | 0.550 ± 0.071 |"
+    assert one == ("| `one`: 1 seed(s), single model, no seed spread (epochs kept: sst 2), chosen on dev | 0.500 | "
+                   "0.500 |")
+    assert two == ("| `two`: 2 seed(s), single model, mean ± std (epochs kept: sst 2), chosen on dev | 0.550 ± 0.071 | "
+                   "0.550 ± 0.071 |")
+    stats["groups"]["two"]["honest"] = {"sst": group([0.4, 0.5])["dev"]["overall"],
+                                        "overall": group([0.4, 0.5])["dev"]["overall"]}
+    assert results_table(stats, ensemble).splitlines()[4] == \
+           "| `two`, honest estimate | 0.450 ± 0.071 | 0.450 ± 0.071 |"
+
+
+def test_an_epoch_choice_is_estimated_on_the_half_of_dev_it_was_not_made_on():
+    """Epoch 2 wins on each half it is chosen on, so each half scores epoch 2's predictions; a model whose
+    best epoch differs by half scores the other half's choice on each."""
+    from mtbert.data.kinds import Binary
+    from mtbert.data.tasks import Task
+    from mtbert.evaluation.ensemble import dev_halves, honest_epoch_choice
+
+    task = Task(name="qqp", file_prefix="quora", split_files={}, text_columns=("a", "b"), label_column="y",
+                kind=Binary(), headline="accuracy", submission_file="para", submission_column="p")
+    ids = np.array([f"r{i}" for i in range(40)])
+    labels = np.array([i % 2 for i in range(40)], dtype=float)
+    half_b = dev_halves(ids)
+    right, wrong = labels.copy(), 1 - labels
+    assert honest_epoch_choice(task, [wrong, right], labels, ids)["score"] == 1.0
+    # epoch 1 right on half A only, epoch 2 on half B only: each half picks the epoch right on it, wrong on the other
+    first, second = np.where(half_b, wrong, right), np.where(half_b, right, wrong)
+    estimate = honest_epoch_choice(task, [first, second], labels, ids)
+    assert estimate["score"] == 0.0 and estimate["halves"] == [0.0, 0.0]
 
 
 def test_results_show_the_ensembles_members_together_mean_and_std_over_them():

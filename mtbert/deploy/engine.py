@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mtbert.evaluation.members import MemberEnsemble
+from mtbert.evaluation.members import MemberEnsemble, average
 from mtbert.inputs import InputError, Text, check_texts, clean
-from mtbert.integrity import MANIFEST_FILE, verify
+from mtbert.integrity import MANIFEST_FILE, read_manifest, verify
 from mtbert.runtime import UserError
 
 EXPORT_FORMAT = 1  # the layout of an export folder and its manifest
@@ -95,6 +95,8 @@ class OnnxPredictor:
             raise ExportFolderError(f"{where}: no tasks; expected a manifest written by `mtbert export`")
         self.tasks = {name: ExportedTask.from_manifest(name, entry, where) for name, entry in tasks.items()}
         self.engine = resolve_engine(engine, manifest, self.tasks, where)
+        # `auto` in an ensemble's member: int8 for the tasks where the export found it good enough
+        self.task_engines = manifest.get("task_engines", {}) if engine == "auto" else {}
         self.tokenizer = load_tokenizer(folder / manifest["tokenizer"], manifest["max_length"])
         self.sessions: dict[str, object] = {}
 
@@ -157,7 +159,7 @@ class OnnxPredictor:
     def session(self, task_name: str):
         """The task's ONNX Runtime session for this predictor's engine, loaded (and its file checked) once."""
         if task_name not in self.sessions:
-            graph = self.tasks[task_name].graphs[self.engine]
+            graph = self.tasks[task_name].graphs[self.task_engines.get(task_name, self.engine)]
             verify(self.folder, [graph])
             self.sessions[task_name] = open_session(self.folder / graph, self.threads)
         return self.sessions[task_name]
@@ -171,6 +173,64 @@ class OnnxPredictor:
         """Load every task's session now (a server does, so no request waits for one)."""
         for name in self.tasks:
             self.session(name)
+
+
+class ExportedEnsemble(MemberEnsemble):
+    """An ensemble's export (`exports/ensemble`, mtbert/deploy/ensemble_export.py): its members' exports in
+    one folder, used as one model. Per task, the members' predictions are averaged in the ensemble stage's
+    order. A text is checked, cleaned and tokenized once for each encoding its members read (a
+    bi-encoder reads each sentence, a cross-encoder the pair), not once per member."""
+
+    @classmethod
+    def load(cls, folder: Path | str, **options) -> ExportedEnsemble:
+        folder = Path(folder)
+        manifest = verify(folder, [])
+        if manifest.get("format") != EXPORT_FORMAT:
+            raise ExportFolderError(f"{folder / MANIFEST_FILE}: an export of format {manifest.get('format')!r}; "
+                                    f"this mtbert reads format {EXPORT_FORMAT} (export the ensemble again)")
+        members = manifest.get("members")
+        if not isinstance(members, dict) or not members:
+            raise ExportFolderError(f"{folder / MANIFEST_FILE}: no `members`; expected the manifest of an "
+                                    "ensemble's export (`dvc repro export_ensemble`)")
+        needed = sorted({name for order in members.values() for name in order})
+        return cls(members, {name: OnnxPredictor.load(folder / name, **options) for name in needed})
+
+    def values(self, task_name: str, texts: Sequence[Text]) -> np.ndarray:
+        first = self.predictors[self.order(task_name)[0]]
+        task = first.task(task_name)
+        rows = [tuple(clean(text, task.replacements) for text in row) for row in check_texts(task, texts)]
+        encodings = {self.predictors[name].tasks[task_name].encoding for name in self.order(task_name)}
+        # one tokenizer: the members share the backbone (a variant cannot change model.name), and the
+        # export checked that their tokenizer files are the same
+        return self.values_of_tokens(task_name, {encoding: encode(first.tokenizer, encoding, rows)
+                                                 for encoding in sorted(encodings)})
+
+    def values_of_tokens(self, task_name: str, tokens: dict[str, dict]) -> np.ndarray:
+        """The average over the task's members of their predictions of tokenized rows, given per encoding."""
+        order = self.order(task_name)
+        predictions = {name: self.predictors[name].values_of_tokens(
+            task_name, tokens[self.predictors[name].tasks[task_name].encoding]) for name in dict.fromkeys(order)}
+        return average(predictions, order)
+
+    def order(self, task_name: str) -> list[str]:
+        if task_name not in self.members:
+            raise InputError(f"unknown task {task_name!r}; this ensemble predicts {', '.join(self.members)}")
+        return self.members[task_name]
+
+    def release(self, task_name: str) -> None:
+        for predictor in self.predictors.values():
+            predictor.release(task_name)
+
+    def warm(self) -> None:
+        for predictor in self.predictors.values():
+            predictor.warm()
+
+
+def load_export(folder: Path | str, **options) -> OnnxPredictor | ExportedEnsemble:
+    """An export folder as one predictor: a variant's export, or an ensemble's."""
+    if (Path(folder) / MANIFEST_FILE).is_file() and "members" in read_manifest(folder):
+        return ExportedEnsemble.load(folder, **options)
+    return OnnxPredictor.load(folder, **options)
 
 
 class OnnxEnsemblePredictor(MemberEnsemble):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mtbert.deploy.engine import OnnxEnsemblePredictor, OnnxPredictor, is_export
+from mtbert.deploy.engine import OnnxEnsemblePredictor, is_export, load_export
 from mtbert.evaluation.members import read_members
 from mtbert.runtime import UserError
 
@@ -50,7 +50,7 @@ def onnx_predictor(model, ensemble, models_dir, folders: list[Path], engine: str
         raise EngineChoiceError("--bf16 is for --engine torch: an export's graphs run in fp32 (onnx) or int8")
     options = {"engine": engine, "batch_size": batch_size, "threads": threads}
     if model is not None:
-        return OnnxPredictor.load(model, **options)
+        return load_export(model, **options)
     return OnnxEnsemblePredictor.load(ensemble, models_dir, **options)
 
 

@@ -19,6 +19,7 @@ from mtbert.data.tasks import Task
 from mtbert.evaluation.members import average
 from mtbert.evaluation.metrics import headline, task_metrics
 from mtbert.params import EnsembleParams, with_changes
+from mtbert.training.selection import best_epoch
 
 
 @dataclasses.dataclass
@@ -90,6 +91,18 @@ def honest_estimate(task: Task, predictions: dict[str, np.ndarray], labels: np.n
                                labels[score_on]))
     return {"score": float(np.mean(scores)), "halves": [float(s) for s in scores],
             "half_sizes": [int((~half_b).sum()), int(half_b.sum())]}
+
+
+def honest_epoch_choice(task: Task, epochs: list[np.ndarray], labels: np.ndarray, ids: np.ndarray) -> dict:
+    """A single model's epoch choice for a task, estimated as the ensemble's choice is: the epoch with the
+    best headline on one half of dev (ties to the earlier, as `train` breaks them), scored on the other,
+    both ways. `epochs`: the task's dev predictions after each epoch, epoch 1 first (the snapshot dumps)."""
+    half_b = dev_halves(ids)
+    scores = []
+    for select_on, score_on in ((~half_b, half_b), (half_b, ~half_b)):
+        best = best_epoch([headline(task, values[select_on], labels[select_on]) for values in epochs])
+        scores.append(headline(task, epochs[best - 1][score_on], labels[score_on]))
+    return {"score": float(np.mean(scores)), "halves": [float(s) for s in scores]}
 
 
 def method_name(options: EnsembleParams) -> str:

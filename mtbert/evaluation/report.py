@@ -47,8 +47,8 @@ def _cell(spread: dict, seeds: int) -> str:
 
 def results_table(stats: dict, ensemble: dict) -> str:
     """Markdown: per seed group the single models (mean ± std, the epochs kept; a group of distilled students
-    says so), the ensemble's members together, then the ensemble, chosen on dev and its honest split-half
-    estimate, for every method."""
+    says so) and the honest estimate of its epoch choice, the ensemble's members together, then the ensemble,
+    chosen on dev and its honest split-half estimate, for every method."""
     tasks = stats["tasks"]
     header = " | ".join(f"{name} {metric}" for name, metric in tasks.items())
     lines = [f"| model | {header} | overall |", "|---|" + "---|" * (len(tasks) + 1)]
@@ -60,7 +60,10 @@ def results_table(stats: dict, ensemble: dict) -> str:
         model = (f"student of the ensemble (configuration of `{entry['student_of']}`)" if "student_of" in entry
                  else "single model")
         lines.append(f"| `{group}`: {seeds} seed(s), {model}, {spread} "
-                     f"(epochs kept: {epochs}) | {cells} | {_cell(entry['dev']['overall'], seeds)} |")
+                     f"(epochs kept: {epochs}), chosen on dev | {cells} | {_cell(entry['dev']['overall'], seeds)} |")
+        if "honest" in entry:  # each task's epoch chosen on one half of dev, scored on the other
+            cells = " | ".join(_cell(entry["honest"][name], seeds) for name in tasks)
+            lines.append(f"| `{group}`, honest estimate | {cells} | {_cell(entry['honest']['overall'], seeds)} |")
     members = members_row(ensemble, list(tasks))
     if members:
         lines.append(members)

@@ -1,0 +1,189 @@
+"""The ensemble as one deployable model (stage `export_ensemble`): exports/ensemble/.
+
+The ensemble stage chose, per task, which members to average (metrics/ensemble.json). This writes each
+member's export (mtbert/deploy/export.py: its graphs for the tasks the ensemble uses it for, int8 beside
+fp32, its tokenizer) into one folder, with a manifest naming each task's members in the stage's order and
+a model card. `mtbert predict --model exports/ensemble`, `mtbert serve --model exports/ensemble` and
+`Predictor.load("exports/ensemble")` load it as one model (mtbert/deploy/engine.py `ExportedEnsemble`).
+
+int8 stays a choice per member and per task: a member's task runs its int8 graph only where int8 kept that
+task's dev headline within `export.int8_max_drop` of fp32 and ran faster on this machine. The report
+(metrics/export/ensemble.json) holds the check against the ensemble stage's dumps (the fp32 graphs on the
+first `export.check_rows` dev rows), the dev metrics of the fp32 graphs and of the chosen ones, each
+member's choice and why, and the latency of one sentence and one pair, and the throughput, of the
+ensemble and of its first member alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from mtbert import io
+from mtbert.data.batches import TaskSplit, load_split
+from mtbert.data.tasks import Task
+from mtbert.deploy.engine import EXPORT_FORMAT, ExportedEnsemble
+from mtbert.deploy.export import ExportError, export_variant, parity_difference, token_lists
+from mtbert.evaluation.members import read_members
+from mtbert.evaluation.metrics import overall, task_metrics
+from mtbert.evaluation.predictions import read_aligned
+from mtbert.integrity import read_manifest, write_manifest
+from mtbert.params import ExportParams
+
+log = logging.getLogger("export")
+
+LATENCY_CALLS = 30  # one-text calls timed per task, after one untimed
+
+
+def export_ensemble(ensemble_file: Path, models_dir: Path, dumps_dir: Path, out_dir: Path, tasks: dict[str, Task],
+                    options: ExportParams, tokenized_dir: Path, threads: int = 0) -> dict:
+    """Write the ensemble's export to `out_dir` (whole or not at all); its report, for the metrics file."""
+    members = read_members(ensemble_file)
+    needed = sorted({name for order in members.values() for name in order})
+    with io.atomic_dir(out_dir) as temp:
+        reports = {name: export_variant(models_dir / name, temp / name, options, tokenized_dir, threads)
+                   for name in needed}
+        require_one_tokenizer(temp, needed)
+        choices = {name: member_engines(reports[name], [t for t, order in members.items() if name in order],
+                                        options) for name in needed}
+        for name in needed:
+            keep_tasks(temp / name, {task: engine for task, (engine, _) in choices[name].items()})
+        write_card(temp, members, choices)
+        write_manifest(temp, {"format": EXPORT_FORMAT, "members": members,
+                              "source": {"ensemble": str(ensemble_file), "models": str(models_dir)}})
+        report = measure_ensemble(temp, {name: tasks[name] for name in members}, dumps_dir, tokenized_dir, options,
+                                  threads)
+        report["members"] = {name: {task: {"engine": engine, "reason": reason}
+                                    for task, (engine, reason) in choices[name].items()} for name in needed}
+        report["order"] = members
+    log.info("%s: %d members; dev overall fp32 %.4f, as deployed %.4f", out_dir, len(needed),
+             report["dev"]["onnx"]["overall"], report["dev"]["deployed"]["overall"])
+    return report
+
+
+def require_one_tokenizer(folder: Path, members: list[str]) -> None:
+    """The members' tokenizers are one file: the ensemble tokenizes a text once per encoding."""
+    digests = {name: read_manifest(folder / name)["files"]["tokenizer.json"] for name in members}
+    if len(set(digests.values())) > 1:
+        raise ExportError(f"the members' tokenizers differ ({', '.join(sorted(digests))}); an ensemble's members "
+                          "must share model.name")
+
+
+def member_engines(report: dict, tasks: list[str], options: ExportParams) -> dict[str, tuple[str, str]]:
+    """Per task the member serves: int8 or fp32 (`onnx`), and why. int8 where its dev headline stayed within
+    export.int8_max_drop of fp32's and the member's int8 graphs ran faster here."""
+    choices = {}
+    for task in tasks:
+        drop = report.get("int8_drop", {}).get(task)
+        speedup = report.get("speed", {}).get("int8_speedup", 0.0)
+        if drop is None:
+            choices[task] = ("onnx", "export.int8 is false: no int8 graph")
+        elif drop > options.int8_max_drop:
+            choices[task] = ("onnx", f"int8 drops the dev headline by {drop:.4f}, more than export.int8_max_drop "
+                                     f"{options.int8_max_drop:g}")
+        elif speedup <= 1.0:
+            choices[task] = ("onnx", f"int8 was not faster on this machine ({speedup:.2f}x)")
+        else:
+            choices[task] = ("int8", f"int8 drops the dev headline by {drop:.4f} (at most "
+                                     f"{options.int8_max_drop:g}) and ran {speedup:.2f}x as fast")
+    return choices
+
+
+def keep_tasks(folder: Path, engines: dict[str, str]) -> None:
+    """A member's export cut to the tasks it serves in the ensemble, with the engine chosen for each."""
+    manifest = read_manifest(folder)
+    for name, entry in manifest["tasks"].items():
+        if name not in engines:
+            for graph in entry["graphs"].values():
+                (folder / graph).unlink()
+    manifest["tasks"] = {name: entry for name, entry in manifest["tasks"].items() if name in engines}
+    manifest["task_engines"] = engines
+    write_manifest(folder, {key: value for key, value in manifest.items() if key != "files"})
+
+
+def write_card(folder: Path, members: dict[str, list[str]], choices: dict) -> None:
+    lines = ["# The ensemble, exported", "",
+             "Per task, the average of its members' predictions, in the order the `ensemble` stage chose "
+             "(metrics/ensemble.json). Load it as one model:", "",
+             "```bash", "mtbert predict --model exports/ensemble --task sst \"A gorgeous, witty film.\"",
+             "mtbert serve --model exports/ensemble", "```", "",
+             "| task | members (engine) |", "|---|---|"]
+    for task, order in members.items():
+        used = ", ".join(f"{name} ({choices[name][task][0]})" for name in order)
+        lines.append(f"| {task} | {used} |")
+    lines += ["", "Each member's folder is its own export (graphs, tokenizer, manifest). The check against the "
+              "ensemble's dumps, the dev metrics and the latency are in metrics/export/ensemble.json.", ""]
+    (folder / "README.md").write_text("\n".join(lines), encoding="utf-8")
+
+
+def measure_ensemble(folder: Path, tasks: dict[str, Task], dumps_dir: Path, tokenized_dir: Path,
+                     options: ExportParams, threads: int) -> dict:
+    """The check against the ensemble's dumps, the dev metrics of the fp32 and the deployed graphs, and the
+    latency and throughput of the deployed ensemble against its first member alone."""
+    predictors = {engine: ExportedEnsemble.load(folder, engine=engine, batch_size=options.batch_size, threads=threads)
+                  for engine in ("onnx", "auto")}
+    first = predictors["auto"].first
+    dev = {name: load_split(tokenized_dir, task, "dev") for name, task in tasks.items()}
+    metrics: dict = {"onnx": {}, "deployed": {}}
+    parity = {}
+    for name, task in tasks.items():
+        tokens = split_tokens(predictors["onnx"], name, dev[name])
+        fp32 = predictors["onnx"].values_of_tokens(name, tokens)
+        expected = read_aligned(dumps_dir, task, "dev", dev[name].ids)
+        rows = min(options.check_rows, len(dev[name]))
+        parity[name] = parity_difference(name, expected[:rows], fp32[:rows], options.tolerance)
+        metrics["onnx"][name] = task_metrics(task, fp32, dev[name].labels)
+        deployed = predictors["auto"].values_of_tokens(name, tokens)
+        metrics["deployed"][name] = task_metrics(task, deployed, dev[name].labels)
+        predictors["onnx"].release(name)
+    for engine_metrics in metrics.values():
+        engine_metrics["overall"] = overall(engine_metrics, tasks)
+    speed = {"ensemble": latency(predictors["auto"], dev, options.speed_rows),
+             "first_member": {"name": next(name for name, p in predictors["auto"].predictors.items() if p is first),
+                              **latency(first, dev, options.speed_rows)}}
+    return {"dev": metrics, "parity": {"tolerance": options.tolerance, "rows": options.check_rows,
+                                       "max_abs_difference": parity, "against": str(dumps_dir)},
+            "speed": {"threads": threads, **speed}}
+
+
+def split_tokens(ensemble: ExportedEnsemble, task: str, split: TaskSplit, rows: int | None = None) -> dict:
+    """A tokenized split's rows per encoding the task's members read."""
+    encodings = {ensemble.predictors[name].tasks[task].encoding for name in ensemble.order(task)}
+    return {encoding: token_lists(split, encoding, rows) for encoding in encodings}
+
+
+def latency(predictor, dev: dict[str, TaskSplit], speed_rows: int) -> dict:
+    """p50 milliseconds of one text per task (a sentence, or a pair) from raw text, and texts per second
+    over the first `speed_rows` dev rows of each task in batches."""
+    figures: dict = {"p50_ms": {}, "texts_per_second": {}}
+    for name, split in dev.items():
+        texts = dev_texts(predictor, name, split, speed_rows)
+        predictor.values(name, texts[:1])  # sessions loaded, buffers allocated
+        times = []
+        for text in (texts * LATENCY_CALLS)[:LATENCY_CALLS]:
+            started = time.perf_counter()
+            predictor.values(name, [text])
+            times.append(time.perf_counter() - started)
+        figures["p50_ms"][name] = round(1000 * statistics.median(times), 3)
+        started = time.perf_counter()
+        predictor.values(name, texts)
+        figures["texts_per_second"][name] = round(len(texts) / (time.perf_counter() - started), 1)
+    return figures
+
+
+def dev_texts(predictor, task: str, split: TaskSplit, rows: int) -> list[tuple[str, ...]]:
+    """Raw texts of the first dev rows, decoded back from their tokens (the engine tokenizes them again)."""
+    tokenizer = predictor.first.tokenizer if isinstance(predictor, ExportedEnsemble) else predictor.tokenizer
+    columns = ("input_ids_1", "input_ids_2") if split.task.is_pair else ("input_ids",)
+    return [tuple(decoded(tokenizer, split.tokens[column], row) for column in columns)
+            for row in range(min(rows, len(split)))]
+
+
+def decoded(tokenizer, column, row: int) -> str:
+    return tokenizer.decode(np.asarray(column.values[column.offsets[row]:column.offsets[row + 1]]).tolist(),
+                            skip_special_tokens=True)
+

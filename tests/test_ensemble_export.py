@@ -1,0 +1,106 @@
+"""The ensemble as one deployable model (stage `export_ensemble`, mtbert/deploy/ensemble_export.py), on the
+two small variants of tests/deployed.py (a cross-encoder and a bi-encoder, averaged uniformly): its
+predictions are the ensemble stage's dumps, and `mtbert predict`, `Predictor.load` and `mtbert serve` take
+it as one model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from bench.deploy import start_server, stop_server
+from mtbert.deploy.engine import ExportedEnsemble, OnnxEnsemblePredictor
+from mtbert.inference import Predictor
+from mtbert.integrity import read_manifest
+from tests.commands import mtbert_in_process
+from tests.deployed import invoke
+from tests.test_deploy import TOLERANCE, dev_texts, dump_values
+
+TASKS = ("sst", "qqp", "sts")
+
+
+@pytest.fixture(scope="module")
+def exported(deployed, tmp_path_factory) -> tuple[Path, dict]:
+    """exports/ensemble as the stage writes it, and its metrics."""
+    root = tmp_path_factory.mktemp("ensemble-export")
+    invoke("stages.export_ensemble", "--params-file", deployed.params_file, "--tokenized-dir", deployed.tokenized,
+           "--models-dir", deployed.models, "--ensemble-file", deployed.ensemble_file,
+           "--dumps-dir", deployed.ensemble_dir, "--out-dir", root / "ensemble",
+           "--metrics-file", root / "ensemble.json")
+    return root / "ensemble", json.loads((root / "ensemble.json").read_text())
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_the_exported_ensemble_equals_the_ensemble_stages_dumps(exported, deployed, task):
+    folder, _ = exported
+    texts = dev_texts(deployed, task)
+    ensemble = ExportedEnsemble.load(folder, engine="onnx", threads=1)
+    assert ensemble.members[task] == ["bi", "cross"]
+    values = ensemble.values(task, texts).reshape(len(texts), -1)
+    assert np.abs(values - dump_values(deployed.ensemble_dir / f"{task}-dev.parquet")).max() <= TOLERANCE
+
+
+def test_the_report_checks_parity_and_says_each_members_engine_and_the_latency(exported):
+    folder, report = exported
+    assert set(report["parity"]["max_abs_difference"]) == set(TASKS)
+    assert all(difference <= TOLERANCE for difference in report["parity"]["max_abs_difference"].values())
+    assert set(report["dev"]) == {"onnx", "deployed"} and all(0 <= report["dev"][e]["overall"] <= 1
+                                                              for e in report["dev"])
+    for member in ("bi", "cross"):
+        for task in TASKS:
+            choice = report["members"][member][task]
+            assert choice["engine"] in ("onnx", "int8") and choice["reason"]
+            assert read_manifest(folder / member)["task_engines"][task] == choice["engine"]
+    for who in ("ensemble", "first_member"):
+        assert all(report["speed"][who]["p50_ms"][task] > 0 for task in TASKS)
+        assert all(report["speed"][who]["texts_per_second"][task] > 0 for task in TASKS)
+    assert (folder / "README.md").read_text().startswith("# The ensemble, exported")
+
+
+def test_a_text_is_tokenized_once_per_encoding_not_once_per_member(exported, deployed, monkeypatch):
+    folder, _ = exported
+    ensemble = ExportedEnsemble.load(folder, engine="onnx", threads=1)
+    calls = []
+    tokenizer = ensemble.first.tokenizer
+    real = tokenizer.encode_batch
+    monkeypatch.setattr(tokenizer, "encode_batch", lambda texts: calls.append(len(texts)) or real(texts),
+                        raising=False)
+    ensemble.values("sst", dev_texts(deployed, "sst")[:3])  # both members read the sentence alone
+    assert len(calls) == 1
+    calls.clear()
+    ensemble.values("sts", dev_texts(deployed, "sts")[:3])  # one cross-encoded pass, one per side for bi
+    assert len(calls) == 3
+
+
+def test_predict_and_the_python_api_load_it_as_one_model(exported, deployed):
+    folder, _ = exported
+    texts = ["A gorgeous, witty film.", "Dull."]
+    one = mtbert_in_process("predict", "--model", folder, "--engine", "onnx", "--task", "sst", *texts)
+    members = mtbert_in_process("predict", "--ensemble", deployed.ensemble_file, "--models-dir", deployed.exports,
+                                "--engine", "onnx", "--task", "sst", *texts)
+    assert one.returncode == members.returncode == 0, one.stderr + members.stderr
+    assert [json.loads(line)["sst"]["label"] for line in one.stdout.splitlines()] == \
+           [json.loads(line)["sst"]["label"] for line in members.stdout.splitlines()]
+    predictor = Predictor.load(folder, engine="onnx", threads=1)
+    assert isinstance(predictor, ExportedEnsemble)
+    reference = OnnxEnsemblePredictor.load(deployed.ensemble_file, deployed.exports, engine="onnx", threads=1)
+    np.testing.assert_allclose(predictor.values("sst", texts), reference.values("sst", texts), atol=TOLERANCE)
+
+
+@pytest.mark.slow(reason="a real server process")
+def test_serve_answers_with_the_exported_ensemble_over_http(exported, deployed, tmp_path):
+    folder, _ = exported
+    process, url = start_server(tmp_path / "stderr.log", "--model", folder, "--engine", "onnx", "--threads", "1",
+                                timeout=300)
+    try:
+        pair = [["A man plays a guitar.", "A man is playing music."]]
+        answer = httpx.post(f"{url}/predict", json={"task": "sts", "texts": pair}, timeout=60)
+    finally:
+        stop_server(process)
+    assert answer.status_code == 200, answer.text
+    expected = ExportedEnsemble.load(folder, engine="onnx", threads=1).values("sts", [tuple(pair[0])])
+    assert answer.json()["results"][0]["score"] == pytest.approx(float(expected[0]), abs=TOLERANCE)
