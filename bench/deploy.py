@@ -236,6 +236,62 @@ def deploy_figures(model_dir: Path, export_dir: Path, tokenized_dir: Path, *, th
     return figures
 
 
+def ensemble_figures(ensemble_dir: Path, ensemble_file: Path, tokenized_dir: Path, *, threads: int,
+                     batch_size: int = 128, texts_per_task: int = 1000, single_calls: int = 200, rounds: int = 2,
+                     clients: int = 64, requests: int = 20, scratch: Path) -> dict:
+    """Figure 8b, the deployed ensemble (exports/ensemble): one sentence's and one pair's latency and batched
+    texts/s, against the same members assembled apart and its first member alone, in a fresh process
+    (bench/ensemble_engines.py); then `mtbert serve` at `clients` clients, on the export against today's
+    `--ensemble` over the members' exports."""
+    from mtbert.deploy.engine import ExportedEnsemble
+
+    tasks = ExportedEnsemble.load(ensemble_dir).tasks
+    texts = dev_texts(tokenized_dir, tasks, texts_per_task)
+    sentence = next(name for name, task in tasks.items() if len(task.text_columns) == 1)
+    pair = next(name for name, task in tasks.items() if len(task.text_columns) == 2)
+    job = {"ensemble_dir": str(ensemble_dir), "ensemble_file": str(ensemble_file), "texts": texts,
+           "sentence_task": sentence, "pair_task": pair, "threads": threads, "batch_size": batch_size,
+           "calls": single_calls, "rounds": rounds}
+    print(f"  the exported ensemble in a fresh process: one {sentence} sentence and one {pair} pair x "
+          f"{single_calls} calls, {sum(map(len, texts.values()))} dev rows x {rounds} rounds ...", flush=True)
+    result = subprocess.run([sys.executable, "-m", "bench.ensemble_engines"], input=json.dumps(job), text=True,
+                            capture_output=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"bench.ensemble_engines failed: {result.stderr.strip()[-2000:]}")
+    figures = {"threads": threads, "tasks": {"sentence": sentence, "pair": pair}, **json.loads(result.stdout)}
+    print(f"  mtbert serve under load: {clients} clients x {requests} requests, the export and the members "
+          "apart ...", flush=True)
+    figures["server"] = {}
+    for name, folder in (("ensemble", ["--model", ensemble_dir]),
+                         ("members_apart", ["--ensemble", ensemble_file, "--models-dir", ensemble_dir])):
+        started = time.perf_counter()
+        process, url = start_server(scratch / f"serve-{name}.log", *folder, "--threads", threads)
+        ready = time.perf_counter() - started
+        try:
+            figures["server"][name] = {"start_seconds": round(ready, 2),
+                                       **load_test(url, sentence, texts[sentence], clients, requests)}
+        finally:
+            stop_server(process)
+    served = figures["server"]
+    figures["server"]["ensemble_over_members_apart"] = round(
+        served["ensemble"]["requests_per_second"] / served["members_apart"]["requests_per_second"], 3)
+    return figures
+
+
+def report_ensemble(f: dict) -> None:
+    """Figure 8b, as `python -m bench` prints it."""
+    print(f"8b. the deployed ensemble, exports/ensemble ({f['threads']} threads; one member: {f['first_member']})")
+    for name in f["texts_per_second"]:
+        print(f"   {name:13s} one sentence p50 {f['single_sentence_ms'][name]['p50']:.2f} ms, one pair p50 "
+              f"{f['single_pair_ms'][name]['p50']:.2f} ms; batched {f['texts_per_second'][name]} texts/s")
+    for name in ("ensemble", "members_apart"):
+        s = f["server"][name]
+        print(f"   mtbert serve ({name}): {s['sent']} requests from {s['clients']} clients, answered "
+              f"{s['answered']}; p50 {s['latency_ms']['p50']} ms, p99 {s['latency_ms']['p99']} ms, "
+              f"{s['requests_per_second']} requests/s")
+    print(f"   served requests/s, the export over the members apart: {f['server']['ensemble_over_members_apart']}x")
+
+
 def report(f: dict) -> None:
     """Figure 8, as `python -m bench` prints it."""
     ms, rates = f["single_sentence_ms"], f["sentences_per_second"]
@@ -267,7 +323,8 @@ def verdict(value: float, target: float, higher_is_better: bool) -> str:
 
 
 @app.command()
-def main(name: str = typer.Option("", "--model", help="a name in export.models (default: the first)"),
+def main(name: str = typer.Option("", "--model", help="a name in export.models, or `ensemble` for exports/ensemble "
+                                                     "(default: the first of export.models, else the ensemble)"),
          params_file: Path = typer.Option(Path("params.yaml")),
          models_dir: Path = typer.Option(Path("models")),
          exports_dir: Path = typer.Option(Path("exports")),
@@ -287,10 +344,16 @@ def main(name: str = typer.Option("", "--model", help="a name in export.models (
     from mtbert.params import load_params
 
     params = load_params(params_file)
-    name = name or next(iter(params.export.models), "")
-    if not name:
-        raise typer.BadParameter("export.models is empty: name the model with --model")
+    name = name or next(iter(params.export.models), "ensemble")
     threads = params.runtime.threads
+    if name == "ensemble":  # the default deployable model: figure 8b
+        with tempfile.TemporaryDirectory() as scratch:
+            figures = ensemble_figures(exports_dir / "ensemble", Path("metrics/ensemble.json"), tokenized_dir,
+                                       threads=threads, texts_per_task=texts_per_task, single_calls=single_calls,
+                                       rounds=rounds, clients=clients, requests=requests, scratch=Path(scratch))
+        report_ensemble(figures)
+        io.write_json(json_out, figures)
+        return
     with tempfile.TemporaryDirectory() as scratch:
         figures = deploy_figures(models_dir / name, exports_dir / name, tokenized_dir, threads=threads,
                                  texts_per_task=texts_per_task, single_calls=single_calls, rounds=rounds,

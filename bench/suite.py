@@ -23,7 +23,10 @@
    the `predict` stage's path over the tokenized splits (bench/inference.py);
 8. the deployed model (bench/deploy.py; the first of export.models), where models/<model> and exports/<model>
    exist: cold start of a `mtbert predict` call, one-sentence p50/p95 and batched sentences/s for PyTorch, ONNX fp32 and
-   int8, and a bounded load test of `mtbert serve` on loopback.
+   int8, and a bounded load test of `mtbert serve` on loopback;
+8b. the deployed ensemble (exports/ensemble, where it exists): one sentence's and one pair's p50 and batched
+   texts/s, against the same members assembled apart and against its first member alone, and `mtbert serve`
+   at 64 clients on the export against `--ensemble` over the members' exports.
 
 The configurations being compared alternate in short blocks over the same kind of real batches, so a
 change in the machine's speed during the run hits all of them alike. Needs data/tokenized
@@ -44,7 +47,7 @@ import numpy as np
 import torch
 import typer
 
-from bench.deploy import deploy_figures
+from bench.deploy import deploy_figures, ensemble_figures, report_ensemble
 from bench.deploy import report as report_deploy
 from bench.inference import engine_figures
 from bench.peer import peer_figures
@@ -312,6 +315,12 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
             figures["deploy"] = deploy_figures(models_dir / deployed, exports_dir / deployed, tokenized_dir,
                                                threads=figures["threads"], scratch=Path(scratch),
                                                export_metrics=Path("metrics/export") / f"{deployed}.json")
+        figures["deploy_ensemble"] = None
+        if (exports_dir / "ensemble" / "manifest.json").is_file():
+            print(f"the deployed ensemble: {exports_dir / 'ensemble'} ...", flush=True)
+            figures["deploy_ensemble"] = ensemble_figures(exports_dir / "ensemble", Path("metrics/ensemble.json"),
+                                                          tokenized_dir, threads=figures["threads"],
+                                                          scratch=Path(scratch))
     print("tokenize (a fresh process) ...", flush=True)
     figures["tokenize_seconds"] = round(tokenize_seconds(params_file), 2)
     print(f"peak memory of training ({memory_steps} steps, evaluation, checkpoint) ...", flush=True)
@@ -396,7 +405,11 @@ def report(f: dict) -> None:
     if f["deploy"] is not None:
         report_deploy(f["deploy"])
     else:
-        print("8. deployment: skipped (needs the trained variant and its export: dvc repro export@<variant>)")
+        print("8. deployment: skipped (needs a variant of export.models and its export: dvc repro export@<variant>)")
+    if f.get("deploy_ensemble") is not None:
+        report_ensemble(f["deploy_ensemble"])
+    else:
+        print("8b. the deployed ensemble: skipped (needs exports/ensemble: dvc repro export_ensemble)")
 
 
 if __name__ == "__main__":

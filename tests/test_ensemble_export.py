@@ -104,3 +104,20 @@ def test_serve_answers_with_the_exported_ensemble_over_http(exported, deployed, 
     assert answer.status_code == 200, answer.text
     expected = ExportedEnsemble.load(folder, engine="onnx", threads=1).values("sts", [tuple(pair[0])])
     assert answer.json()["results"][0]["score"] == pytest.approx(float(expected[0]), abs=TOLERANCE)
+
+
+@pytest.mark.slow(reason="a fresh timing process and two real servers")
+def test_the_bench_times_the_exported_ensemble_against_its_members(exported, deployed, tmp_path):
+    from bench.deploy import ensemble_figures
+
+    folder, _ = exported
+    figures = ensemble_figures(folder, deployed.ensemble_file, deployed.tokenized, threads=1, texts_per_task=8,
+                               single_calls=3, rounds=1, clients=3, requests=2, scratch=tmp_path)
+    assert figures["torch_imported"] is False and figures["first_member"] == "bi"
+    assert figures["tasks"] == {"sentence": "sst", "pair": "qqp"}
+    for name in ("ensemble", "members_apart", "one_member"):
+        assert figures["single_sentence_ms"][name]["p50"] > 0 and figures["single_pair_ms"][name]["p50"] > 0
+        assert figures["texts_per_second"][name] > 0
+    for name in ("ensemble", "members_apart"):
+        assert figures["server"][name]["answered"] == {"200": 6}
+    assert figures["server"]["ensemble_over_members_apart"] > 0

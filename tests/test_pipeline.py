@@ -80,7 +80,7 @@ def repo(tmp_path_factory, tiny_backbone) -> Path:
     shutil.copy(REPO_ROOT / "dvc.yaml", repo / "dvc.yaml")
     # predict as train evaluates (batch 8, fp32), so the model cards' dev metrics are predict's exactly
     make_params(repo, tiny_backbone, Path("data/raw"), train={"epochs": 1},
-                extra={**NEW_TASKS, "predict": {"batch_size": 8, "bf16": False},
+                extra={**NEW_TASKS, "predict": {"batch_size": 8, "bf16": False}, "export": {"models": ["distilled"]},
                        "distill": {"enabled": True, "variant": "plain", "students": {"distilled": 0},
                                    "transfer": {"rows": {"sst": 6, "qqp": 0, "sts": 6, "nli": 4}}}},
                 models={"plain": {}, "meanpool": {"heads": {"sst": {"pooling": "mean"}}, "train": {"seed": 1}},
@@ -123,6 +123,13 @@ def test_repro_builds_every_stage_output(repo):
         assert sum(ensemble[task]["members"].values()) >= 1
         assert set(ensemble[task]["members"]) <= {"plain", "meanpool", "plain-seed1"}
         assert sum(ensemble[task]["honest"]["half_sizes"]) == 16
+    # the deployable ensemble: every task, its members in the ensemble's order, checked against its dumps
+    manifest = json.loads((repo / "exports" / "ensemble" / "manifest.json").read_text())
+    assert manifest["members"] == {task: ensemble[task]["order"] for task in TASK_NAMES}
+    exported = json.loads((repo / "metrics" / "export" / "ensemble.json").read_text())
+    assert set(exported["parity"]["max_abs_difference"]) == set(TASK_NAMES)
+    stats = json.loads((repo / "metrics" / "stats.json").read_text())
+    assert set(stats["groups"]["plain"]["honest"]) == {*TASK_NAMES, "overall"}  # its epoch choice, honestly
 
 
 def test_the_student_learns_the_transfer_set_the_members_labelled(repo):

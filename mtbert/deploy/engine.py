@@ -196,7 +196,7 @@ class ExportedEnsemble(MemberEnsemble):
         return cls(members, {name: OnnxPredictor.load(folder / name, **options) for name in needed})
 
     def values(self, task_name: str, texts: Sequence[Text]) -> np.ndarray:
-        first = self.predictors[self.order(task_name)[0]]
+        first = self.predictors[self.order(task_name)[0]]  # its tokenizer is every member's
         task = first.task(task_name)
         rows = [tuple(clean(text, task.replacements) for text in row) for row in check_texts(task, texts)]
         encodings = {self.predictors[name].tasks[task_name].encoding for name in self.order(task_name)}

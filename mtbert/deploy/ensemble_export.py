@@ -158,9 +158,11 @@ def split_tokens(ensemble: ExportedEnsemble, task: str, split: TaskSplit, rows: 
 
 def latency(predictor, dev: dict[str, TaskSplit], speed_rows: int) -> dict:
     """p50 milliseconds of one text per task (a sentence, or a pair) from raw text, and texts per second
-    over the first `speed_rows` dev rows of each task in batches."""
+    over the first `speed_rows` dev rows of each task in batches; the tasks `predictor` serves."""
     figures: dict = {"p50_ms": {}, "texts_per_second": {}}
     for name, split in dev.items():
+        if name not in predictor.tasks:  # a member that serves other tasks only
+            continue
         texts = dev_texts(predictor, name, split, speed_rows)
         predictor.values(name, texts[:1])  # sessions loaded, buffers allocated
         times = []

@@ -58,8 +58,9 @@ class MemberEnsemble:
 
     def __init__(self, members: dict[str, list[str]], predictors: dict):
         self.members, self.predictors = members, predictors
-        self.first = next(iter(predictors.values()))
-        self.tasks = self.first.tasks
+        self.first = max(predictors.values(), key=lambda predictor: len(predictor.tasks))  # the widest member
+        # a member may serve some tasks only (greedy selection; an ensemble's export keeps only those)
+        self.tasks = {task: predictors[order[0]].tasks[task] for task, order in members.items()}
 
     @classmethod
     def from_file(cls, ensemble_file: Path | str, load_member: Callable[[str], object]):
@@ -76,4 +77,7 @@ class MemberEnsemble:
         return average(predictions, order)
 
     def predict(self, task_name: str, texts: Sequence[Text]) -> list[dict]:
-        return self.first.describe(task_name, self.values(task_name, texts))
+        return self.describe(task_name, self.values(task_name, texts))
+
+    def describe(self, task_name: str, values) -> list[dict]:
+        return self.predictors[self.members[task_name][0]].describe(task_name, values)

@@ -1,0 +1,44 @@
+"""The exported ensemble timed in a process of its own, as deployed (bench/deploy.py `ensemble_figures`
+starts it): no torch imported.
+
+Reads a job as JSON on stdin (ensemble_dir, ensemble_file, texts per task, the sentence and pair tasks,
+threads, batch_size, calls, rounds) and prints JSON: one sentence's and one pair's p50/p95 and batched
+texts/s of `ensemble` (exports/ensemble loaded as one model), `members_apart` (the same members assembled
+from metrics/ensemble.json, each tokenizing for itself: `mtbert predict --ensemble ... --models-dir`) and
+`one_member` (its first member alone, where it serves every task), taking turns call by call and round by round.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from bench.latency import batched_rates, single_sentence_ms
+from mtbert.deploy.engine import ExportedEnsemble, OnnxEnsemblePredictor
+
+
+def main() -> None:
+    job = json.load(sys.stdin)
+    options = {"batch_size": job["batch_size"], "threads": job["threads"]}
+    ensemble = ExportedEnsemble.load(job["ensemble_dir"], **options)
+    first = next(name for name, predictor in ensemble.predictors.items() if predictor is ensemble.first)
+    predictors = {"ensemble": ensemble,
+                  "members_apart": OnnxEnsemblePredictor.load(job["ensemble_file"], job["ensemble_dir"], **options)}
+    if all(task in ensemble.first.tasks for task in job["texts"]):  # one member that serves every task
+        predictors["one_member"] = ensemble.first
+    for predictor in predictors.values():
+        predictor.warm()
+    texts = {task: [tuple(row) for row in rows] for task, rows in job["texts"].items()}
+    figures = {"first_member": first, "member_folder": str(Path(job["ensemble_dir"]) / first),
+               "single_sentence_ms": single_sentence_ms(predictors, job["sentence_task"], texts[job["sentence_task"]],
+                                                        job["calls"]),
+               "single_pair_ms": single_sentence_ms(predictors, job["pair_task"], texts[job["pair_task"]],
+                                                    job["calls"]),
+               "texts_per_second": batched_rates(predictors, texts, job["rounds"]),
+               "torch_imported": "torch" in sys.modules}
+    json.dump(figures, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
