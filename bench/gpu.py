@@ -153,9 +153,11 @@ def speed(params: Params, variant: str, tokenized: Path, scratch: Path, steps_pe
           peer: bool, peak: float | None) -> dict:
     """Eager, captured (on a GPU) and the peer (if asked) on the same examples."""
     eager, eager_progress = scratch_run(with_capture(params, False), variant, tokenized, scratch / "eager")
+    eager.model.train()  # as train_epoch sets it: dropout on, as the peer's training_step has it
     sides = [mtbert_side("eager", eager, eager_progress)]
     if torch.cuda.is_available():
         captured, captured_progress = scratch_run(with_capture(params, True), variant, tokenized, scratch / "captured")
+        captured.model.train()
         if captured.captured is not None:
             sides.append(mtbert_side("captured", captured, captured_progress))
     if peer:
