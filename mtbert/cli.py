@@ -63,6 +63,8 @@ def predict(texts: list[str] = typer.Argument(None, help="texts; for pair tasks 
                                 "(metrics/ensemble.json)")
     if bool(texts) == (input_file is not None):
         raise CommandInputError("give the texts either as arguments or with --input, not both and not neither")
+    if skip_bad_rows and input_file is None:
+        raise CommandInputError("--skip-bad-rows is for an --input file; texts given as arguments are all checked")
     predictor = load_predictor(model=model, ensemble=ensemble, models_dir=models_dir, engine=engine,
                                batch_size=batch_size, threads=threads, bf16=bf16)
     columns = text_columns(predictor, task)

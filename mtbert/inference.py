@@ -80,6 +80,9 @@ class Predictor:
         loads the backbone's). An export (`exports/<variant>`, `exports/ensemble`) loads on ONNX Runtime
         instead (mtbert/deploy/engine.py), taking `engine`, `batch_size` and `threads`."""
         if is_export(model_dir):
+            if options.get("bf16"):
+                raise InputError(f"{model_dir} is an export: its graphs run in fp32 or int8; bf16 is for a trained "
+                                 "folder (models/<variant>)")
             return load_export(model_dir, **{key: value for key, value in options.items()
                                              if key in ("engine", "batch_size", "threads")})
         model, config = load_model(Path(model_dir))

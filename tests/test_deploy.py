@@ -312,6 +312,8 @@ def test_skip_bad_rows_predicts_the_rest_and_reports_each_skipped_row(deployed):
     assert kept.stderr.splitlines() == [
         "stdin row 2 (id b): skipped: sentence2 is empty or invisible; expected a text with at least one visible "
         "character", "stdin: skipped 1 of 3 rows"]
+    arguments_only = predict_in_process("--model", deployed.exports / "cross", "--task", "sst", "ok", "--skip-bad-rows")
+    assert arguments_only.returncode == 1 and "--skip-bad-rows is for an --input file" in arguments_only.stderr
     every = predict_in_process(*arguments, "--skip-bad-rows", stdin=b"sentence1\tsentence2\n\tx\n")
     assert every.returncode == 1 and every.stderr.splitlines()[-1] == \
            "error: stdin: every row was skipped; nothing to predict"

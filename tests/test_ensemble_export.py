@@ -14,7 +14,7 @@ import pytest
 
 from bench.deploy import start_server, stop_server
 from mtbert.deploy.engine import ExportedEnsemble, OnnxEnsemblePredictor
-from mtbert.inference import Predictor
+from mtbert.inference import InputError, Predictor
 from mtbert.integrity import read_manifest
 from tests.commands import mtbert_in_process
 from tests.deployed import invoke
@@ -111,6 +111,8 @@ def test_predict_and_the_python_api_load_it_as_one_model(exported, deployed):
            [json.loads(line)["sst"]["label"] for line in members.stdout.splitlines()]
     predictor = Predictor.load(folder, engine="onnx", threads=1)
     assert isinstance(predictor, ExportedEnsemble)
+    with pytest.raises(InputError, match="is an export: its graphs run in fp32 or int8"):
+        Predictor.load(folder, bf16=True)
     reference = OnnxEnsemblePredictor.load(deployed.ensemble_file, deployed.exports, engine="onnx", threads=1)
     np.testing.assert_allclose(predictor.values("sst", texts), reference.values("sst", texts), atol=TOLERANCE)
 

@@ -18,6 +18,7 @@ and one pair, and the throughput, of the ensemble and of its first member alone.
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 import time
@@ -47,8 +48,10 @@ def export_ensemble(ensemble_file: Path, models_dir: Path, dumps_dir: Path, out_
     members = read_members(ensemble_file)
     needed = sorted({name for order in members.values() for name in order})
     with io.atomic_dir(out_dir) as temp:
-        reports = {name: export_variant(models_dir / name, temp / name, options, tokenized_dir, threads)
-                   for name in needed}
+        reports = {}
+        for name in needed:
+            reports[name] = export_variant(models_dir / name, temp / name, options, tokenized_dir, threads)
+            gc.collect()  # the member's model and sessions, before the next one's
         require_one_tokenizer(temp, needed)
         choices = {name: member_engines(reports[name], [t for t, order in members.items() if name in order],
                                         options) for name in needed}
@@ -126,11 +129,12 @@ def measure_ensemble(folder: Path, tasks: dict[str, Task], models_dir: Path, dum
                      options: ExportParams, threads: int) -> dict:
     """The check against PyTorch, the difference from the ensemble's dumps, the dev metrics of the fp32 and
     the deployed graphs, and the latency and throughput of the deployed ensemble against its first member."""
+    dev = {name: load_split(tokenized_dir, task, "dev") for name, task in tasks.items()}
+    # PyTorch first, its models gone before ONNX Runtime's sessions load: together they set the peak
+    reference = pytorch_average(read_manifest(folder)["members"], models_dir, dev, options.check_rows)
     predictors = {engine: ExportedEnsemble.load(folder, engine=engine, batch_size=options.batch_size, threads=threads)
                   for engine in ("onnx", "auto")}
     first = predictors["auto"].first
-    dev = {name: load_split(tokenized_dir, task, "dev") for name, task in tasks.items()}
-    reference = pytorch_average(predictors["onnx"].members, models_dir, dev, options.check_rows)
     metrics: dict = {"onnx": {}, "deployed": {}}
     parity, from_dumps = {}, {}
     for name, task in tasks.items():
@@ -143,7 +147,8 @@ def measure_ensemble(folder: Path, tasks: dict[str, Task], models_dir: Path, dum
         metrics["onnx"][name] = task_metrics(task, fp32, dev[name].labels)
         deployed = predictors["auto"].values_of_tokens(name, tokens)
         metrics["deployed"][name] = task_metrics(task, deployed, dev[name].labels)
-        predictors["onnx"].release(name)
+        for predictor in predictors.values():  # a session keeps buffers for the largest batch it ran
+            predictor.release(name)
     for engine_metrics in metrics.values():
         engine_metrics["overall"] = overall(engine_metrics, tasks)
     speed = {"ensemble": latency(predictors["auto"], dev, options.speed_rows),
@@ -177,6 +182,7 @@ def pytorch_average(members: dict[str, list[str]], models_dir: Path, dev: dict[s
                 values[task][name] = predict_split(model, first_rows(dev[task], rows), CHECK_BATCH,
                                                    torch.device("cpu"))
         del model
+        gc.collect()
     return {task: average(values[task], order) for task, order in members.items()}
 
 
@@ -204,6 +210,7 @@ def latency(predictor, dev: dict[str, TaskSplit], speed_rows: int) -> dict:
         started = time.perf_counter()
         predictor.values(name, texts)
         figures["texts_per_second"][name] = round(len(texts) / (time.perf_counter() - started), 1)
+        predictor.release(name)
     return figures
 
 
