@@ -79,6 +79,10 @@ def test_the_report_checks_parity_and_says_each_members_engine_and_the_latency(e
             choice = report["members"][member][task]
             assert choice["engine"] in ("onnx", "int8") and choice["reason"]
             assert read_manifest(folder / member)["task_engines"][task] == choice["engine"]
+    assert set(report["int8_drop"]) == set(TASKS)
+    for task in report["int8_too_costly"]:  # the members' drops added up: fp32 everywhere for the task
+        assert all(report["members"][member][task]["engine"] == "onnx" for member in ("bi", "cross"))
+        assert report["dev"]["deployed"][task] == report["dev"]["onnx"][task]
     for who in ("ensemble", "first_member"):
         assert all(report["speed"][who]["p50_ms"][task] > 0 for task in TASKS)
         assert all(report["speed"][who]["texts_per_second"][task] > 0 for task in TASKS)
@@ -147,3 +151,13 @@ def test_the_bench_times_the_exported_ensemble_against_its_members(exported, dep
     for name in ("ensemble", "members_apart"):
         assert figures["server"][name]["answered"] == {"200": 6}
     assert figures["server"]["ensemble_over_members_apart"] > 0
+
+
+def test_a_task_whose_int8_members_add_up_to_too_large_a_drop_runs_fp32_in_every_member():
+    from mtbert.deploy.ensemble_export import fp32_for
+
+    choices = {"a": {"sst": ("int8", "fine"), "qqp": ("int8", "fine")}, "b": {"sst": ("int8", "fine")}}
+    changed = fp32_for(choices, {"sst": 0.0064})
+    assert {name: {task: engine for task, (engine, _) in tasks.items()} for name, tasks in changed.items()} == \
+           {"a": {"sst": "onnx", "qqp": "int8"}, "b": {"sst": "onnx"}}
+    assert "by 0.0064, more than export.int8_max_drop" in changed["b"]["sst"][1]
