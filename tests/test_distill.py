@@ -181,6 +181,7 @@ def stage_arguments(root: Path, params_file: Path, tokenized: Path) -> dict[str,
                     "--dumps-dir", root / "distilled", "--metrics-dir", root / "metrics",
                     "--train-metrics-dir", root / "metrics" / "train", "--checkpoints-dir", root / "ck"],
         "stats": [*common, "--predictions-dir", root / "predictions", "--distilled-dir", root / "distilled",
+                  "--snapshots-dir", root / "snapshots",
                   "--train-metrics-dir", root / "metrics" / "train", "--stats-file", root / "metrics" / "stats.json",
                   "--curves-file", root / "metrics" / "curves.tsv"],
     }
@@ -336,7 +337,7 @@ def test_switched_off_the_stage_writes_outputs_that_say_so_and_stats_leaves_stud
            "--metrics-dir", tmp_path / "metrics" / "export")  # export.models names the untrained student
     assert [p.name for p in (tmp_path / "exports" / "distilled").iterdir()] == ["README.md"]
     assert json.loads((tmp_path / "metrics" / "export" / "distilled.json").read_text()) == {"enabled": False}
-    for name in ("predictions", "metrics/train"):  # the variants' outputs, from the pipeline above
+    for name in ("predictions", "metrics/train", "snapshots"):  # the variants' outputs, from the pipeline above
         shutil.copytree(pipeline / name, tmp_path / name, dirs_exist_ok=True)
     invoke("stages.stats", *arguments["stats"])
     assert list(json.loads((tmp_path / "metrics" / "stats.json").read_text())["groups"]) == ["base"]
