@@ -29,11 +29,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import typer
 
 from bench.latency import batched_rates, single_sentence_ms
-from mtbert.data.tasks import tokenized_path
+from mtbert.deploy.ensemble_export import dev_texts
 
 TARGETS = {"cold_start_seconds": 1.5, "single_sentence_p50_ms": 5.0, "batched_speedup": 2.0}
 app = typer.Typer(add_completion=False)
@@ -60,15 +59,6 @@ def onnx_engines_measured(export_dir: Path, task: str, texts: dict[str, list], *
     if result.returncode != 0:
         raise RuntimeError(f"bench.onnx_engines failed: {result.stderr.strip()[-2000:]}")
     return json.loads(result.stdout)
-
-
-def dev_texts(tokenized_dir: Path, tasks: dict, rows: int) -> dict[str, list[tuple[str, ...]]]:
-    """The first `rows` texts of each task's dev split (the tokenized split keeps them beside the ids)."""
-    texts = {}
-    for name, task in tasks.items():
-        table = pq.read_table(tokenized_path(tokenized_dir, name, "dev")).slice(0, rows)
-        texts[name] = list(zip(*(table.column(c).to_pylist() for c in task.text_columns), strict=True))
-    return texts
 
 
 # --- fresh processes ---------------------------------------------------------------------------------

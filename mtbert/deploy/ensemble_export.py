@@ -27,10 +27,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 
 from mtbert import io
 from mtbert.data.batches import TaskSplit, load_split
-from mtbert.data.tasks import Task
+from mtbert.data.tasks import Task, tokenized_path
 from mtbert.deploy.engine import EXPORT_FORMAT, ExportedEnsemble
 from mtbert.deploy.export import ExportError, export_variant, parity_difference, token_lists
 from mtbert.evaluation.members import read_members
@@ -66,7 +67,8 @@ def export_ensemble(ensemble_file: Path, models_dir: Path, dumps_dir: Path, out_
             for task in report["int8_too_costly"]:
                 report["dev"]["deployed"][task] = report["dev"]["onnx"][task]
             report["dev"]["deployed"]["overall"] = overall(report["dev"]["deployed"], tasks)
-        report["speed"] = ensemble_speed(temp, dict.fromkeys(members), tokenized_dir, tasks, options, threads)
+        report["speed"] = ensemble_speed(temp, tokenized_dir, {name: tasks[name] for name in members}, options,
+                                         threads)
         report["members"] = {name: {task: {"engine": engine, "reason": reason}
                                     for task, (engine, reason) in choices[name].items()} for name in needed}
         report["order"] = members
@@ -183,14 +185,14 @@ def measure_ensemble(folder: Path, tasks: dict[str, Task], models_dir: Path, dum
             "int8_too_costly": {name: drop for name, drop in drops.items() if drop > options.int8_max_drop}}
 
 
-def ensemble_speed(folder: Path, members: dict, tokenized_dir: Path, tasks: dict[str, Task],
-                   options: ExportParams, threads: int) -> dict:
+def ensemble_speed(folder: Path, tokenized_dir: Path, tasks: dict[str, Task], options: ExportParams,
+                   threads: int) -> dict:
     """The latency and throughput of the ensemble as deployed, and of its first member alone."""
     ensemble = ExportedEnsemble.load(folder, batch_size=options.batch_size, threads=threads)
-    dev = {name: load_split(tokenized_dir, tasks[name], "dev") for name in members}
+    texts = dev_texts(tokenized_dir, tasks, options.speed_rows)
     first = next(name for name, predictor in ensemble.predictors.items() if predictor is ensemble.first)
-    return {"threads": threads, "ensemble": latency(ensemble, dev, options.speed_rows),
-            "first_member": {"name": first, **latency(ensemble.first, dev, options.speed_rows)}}
+    return {"threads": threads, "ensemble": latency(ensemble, texts),
+            "first_member": {"name": first, **latency(ensemble.first, texts)}}
 
 
 def pytorch_average(members: dict[str, list[str]], models_dir: Path, dev: dict[str, TaskSplit],
@@ -223,37 +225,31 @@ def split_tokens(ensemble: ExportedEnsemble, task: str, split: TaskSplit, rows: 
     return {encoding: token_lists(split, encoding, rows) for encoding in encodings}
 
 
-def latency(predictor, dev: dict[str, TaskSplit], speed_rows: int) -> dict:
+def latency(predictor, texts: dict[str, list[tuple[str, ...]]]) -> dict:
     """p50 milliseconds of one text per task (a sentence, or a pair) from raw text, and texts per second
-    over the first `speed_rows` dev rows of each task in batches; the tasks `predictor` serves."""
+    over each task's `texts` in batches; the tasks `predictor` serves."""
     figures: dict = {"p50_ms": {}, "texts_per_second": {}}
-    for name, split in dev.items():
+    for name, rows in texts.items():
         if name not in predictor.tasks:  # a member that serves other tasks only
             continue
-        texts = dev_texts(predictor, name, split, speed_rows)
-        predictor.values(name, texts[:1])  # sessions loaded, buffers allocated
+        predictor.values(name, rows[:1])  # sessions loaded, buffers allocated
         times = []
-        for text in (texts * LATENCY_CALLS)[:LATENCY_CALLS]:
+        for text in (rows * LATENCY_CALLS)[:LATENCY_CALLS]:
             started = time.perf_counter()
             predictor.values(name, [text])
             times.append(time.perf_counter() - started)
         figures["p50_ms"][name] = round(1000 * statistics.median(times), 3)
         started = time.perf_counter()
-        predictor.values(name, texts)
-        figures["texts_per_second"][name] = round(len(texts) / (time.perf_counter() - started), 1)
+        predictor.values(name, rows)
+        figures["texts_per_second"][name] = round(len(rows) / (time.perf_counter() - started), 1)
         predictor.release(name)
     return figures
 
 
-def dev_texts(predictor, task: str, split: TaskSplit, rows: int) -> list[tuple[str, ...]]:
-    """Raw texts of the first dev rows, decoded back from their tokens (the engine tokenizes them again)."""
-    tokenizer = predictor.first.tokenizer if isinstance(predictor, ExportedEnsemble) else predictor.tokenizer
-    columns = ("input_ids_1", "input_ids_2") if split.task.is_pair else ("input_ids",)
-    return [tuple(decoded(tokenizer, split.tokens[column], row) for column in columns)
-            for row in range(min(rows, len(split)))]
-
-
-def decoded(tokenizer, column, row: int) -> str:
-    return tokenizer.decode(np.asarray(column.values[column.offsets[row]:column.offsets[row + 1]]).tolist(),
-                            skip_special_tokens=True)
-
+def dev_texts(tokenized_dir: Path, tasks: dict, rows: int) -> dict[str, list[tuple[str, ...]]]:
+    """The first `rows` texts of each task's dev split (the tokenized split keeps them beside the ids)."""
+    texts = {}
+    for name, task in tasks.items():
+        table = pq.read_table(tokenized_path(tokenized_dir, name, "dev")).slice(0, rows)
+        texts[name] = list(zip(*(table.column(c).to_pylist() for c in task.text_columns), strict=True))
+    return texts
