@@ -85,15 +85,19 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server(log: Path, *arguments, timeout: float = 120) -> tuple[subprocess.Popen, str]:
-    """`mtbert serve` on a free loopback port (its stderr to `log`), once /health answers: the process and
-    its base URL."""
+def start_server(log: Path, *arguments, timeout: float = 120, env: dict | None = None,
+                 new_session: bool = False) -> tuple[subprocess.Popen, str]:
+    """`mtbert serve` on a free loopback port (its stderr to `log`; `env` added to the environment; in a
+    process group of its own with `new_session`), once /health answers: the process and its base URL."""
+    import os
+
     import httpx
 
     port = free_port()
     with log.open("w") as stderr:  # a file, not a pipe: a pipe nobody reads could fill and block the server
         process = subprocess.Popen([sys.executable, "-m", "mtbert.cli", "serve", "--host", "127.0.0.1", "--port",
-                                    str(port), *map(str, arguments)], stdout=subprocess.DEVNULL, stderr=stderr)
+                                    str(port), *map(str, arguments)], stdout=subprocess.DEVNULL, stderr=stderr,
+                                   env={**os.environ, **(env or {})}, start_new_session=new_session)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while time.time() < deadline:

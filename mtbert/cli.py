@@ -27,6 +27,7 @@ from pathlib import Path
 
 import typer
 
+from mtbert.deploy.serve_config import Admission, Batching, Limits, Operations
 from mtbert.runtime import UserError, run_app
 
 app = typer.Typer(add_completion=False, help="Use the models mtbert trained.")
@@ -129,28 +130,52 @@ def serve(model: Path = typer.Option(None, "--model", help="an export (exports/b
           workers: int = typer.Option(1, min=1, help="server processes, each with its own copy of the model"),
           threads: int = typer.Option(0, min=0, help="CPU threads per worker; 0 = the cores shared among the "
                                                      "workers"),
-          max_texts: int = typer.Option(256, min=1, help="texts (or pairs) per request"),
-          max_chars: int = typer.Option(2000, min=1, help="characters per text"),
-          max_body_bytes: int = typer.Option(1 << 20, min=64, help="bytes of a request's body"),
-          max_batch: int = typer.Option(64, min=1, help="texts per engine call, across concurrent requests"),
-          batch_wait_ms: float = typer.Option(2.0, min=0.0, help="how long a batch waits for more requests"),
+          max_texts: int = typer.Option(Limits.max_texts, min=1, help="texts (or pairs) per request"),
+          max_chars: int = typer.Option(Limits.max_chars, min=1, help="characters per text"),
+          max_body_bytes: int = typer.Option(Limits.max_body_bytes, min=64, help="bytes of a request's body"),
+          max_batch: int = typer.Option(Batching.max_batch, min=1,
+                                        help="texts per engine call, across concurrent requests"),
+          batch_wait_ms: float = typer.Option(Batching.wait_ms, min=0.0,
+                                              help="how long a batch waits for more requests"),
+          max_concurrent_requests: int = typer.Option(
+              Admission.max_concurrent_requests, min=1,
+              help="/predict requests inside a worker (read, queued or computed); past it 429 at once"),
+          max_queued_texts: int = typer.Option(Admission.max_queued_texts, min=1,
+                                               help="texts waiting for the engine in a worker; past it 429 at once"),
+          request_timeout: float = typer.Option(Admission.request_timeout, min=0.1,
+                                                help="seconds to answer a /predict request; past it 503, and it is "
+                                                     "dropped from the queue"),
+          read_timeout: float = typer.Option(Limits.read_timeout, min=0.1,
+                                             help="seconds to receive a request's headers, and again its body (408)"),
+          api_key: str = typer.Option(None, envvar="MTBERT_API_KEY", show_envvar=True,
+                                      help="a bearer token that /predict and /metrics ask for (401 without it); "
+                                           "better given in the environment, which `ps` does not show"),
+          access_log: str = typer.Option(Operations.access_log,
+                                         help="one line per request on stderr: none | text | json"),
           grace: float = typer.Option(30.0, min=0.0, help="seconds a shutdown (SIGTERM, SIGINT) waits for "
                                                           "the requests in flight before it refuses them (503)"),
           ) -> None:
     """Serve the model over HTTP: POST /predict, GET /tasks, /health, /ready, /metrics (docs/inference.md)."""
-    from mtbert.deploy.server import Batching, Limits, ServeConfig, run_server
+    from mtbert.deploy.serve_config import ACCESS_LOGS, ServeConfig
+    from mtbert.deploy.server import run_server
 
     if (model is None) == (ensemble is None):
         raise CommandInputError("give exactly one of --model (an export or a trained folder) or --ensemble "
                                 "(metrics/ensemble.json)")
+    if access_log not in ACCESS_LOGS:
+        raise CommandInputError(f"--access-log {access_log!r}: expected one of {', '.join(ACCESS_LOGS)}")
     threads = threads or worker_threads(workers)
     warning = oversubscription(workers, threads, cpu_count())
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     config = ServeConfig(model=model and str(model), ensemble=ensemble and str(ensemble), models_dir=str(models_dir),
                          engine=engine, threads=threads,
-                         limits=Limits(max_texts=max_texts, max_chars=max_chars, max_body_bytes=max_body_bytes),
-                         batching=Batching(max_batch=max_batch, wait_ms=batch_wait_ms))
+                         limits=Limits(max_texts=max_texts, max_chars=max_chars, max_body_bytes=max_body_bytes,
+                                       read_timeout=read_timeout),
+                         admission=Admission(max_concurrent_requests=max_concurrent_requests,
+                                             max_queued_texts=max_queued_texts, request_timeout=request_timeout),
+                         batching=Batching(max_batch=max_batch, wait_ms=batch_wait_ms),
+                         operations=Operations(api_key=api_key or None, access_log=access_log))
     run_server(config, host=host, port=port, workers=workers, grace=grace)
 
 
@@ -171,7 +196,7 @@ def oversubscription(workers: int, threads: int, cores: int) -> str | None:
     if workers * threads <= cores:
         return None
     return (f"{workers} worker(s) x {threads} thread(s) = {workers * threads} threads on {cores} core(s): they "
-            f"slow each other down; use --workers 1 --threads {cores} (docs/inference.md, Workers and threads)")
+            f"slow each other down; use --workers 1 --threads {cores} (docs/serving.md, Workers and threads)")
 
 
 class CommandInputError(UserError, ValueError):

@@ -9,29 +9,35 @@ On SIGTERM or SIGINT a worker drains, then exits 0:
 3. once no request is in flight and every connection has closed or been idle for IDLE_LINGER, it closes
    the idle ones and exits; a request still unfinished when the grace period (`--grace`) ends gets a 503
    and a one-line JSON error instead.
-A second signal during the drain ends the grace period at once.
+A second signal during the drain ends the grace period at once; under the supervisor (`--workers N`) a
+worker ignores a repeated SIGTERM, since a signal sent to the process group (as docker, systemd and
+dumb-init send it) reaches the worker itself and again through the supervisor, and waits for SIGUSR1,
+which the supervisor sends on a second signal of its own. Whatever the clients do (a body never finished,
+a connection held open), the drain ends within the grace period and DRAIN_BOUND: at its end every request
+still in flight is answered 503 (mtbert/deploy/middleware.py), and whatever is still open is closed.
 
 uvicorn's own shutdown does not do this: it closes idle keep-alive connections the moment the signal
 arrives (a client that is just sending on one gets "connection reset"), answers nothing to the requests it
 cancels at its timeout, and raises the signal again on its way out (exit status 143, not 0). Its worker
 supervisor builds uvicorn's server itself, so `--workers N` runs the supervisor below instead: it binds the
 port once, starts N spawned workers that share it, replaces a worker that dies, and on a signal closes its
-copy of the socket, passes SIGTERM to every worker and waits for their drains.
+copy of the socket, passes SIGTERM to every worker and waits for their drains (mtbert/deploy/supervisor.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import multiprocessing
+import functools
 import os
 import signal
 import socket
 import sys
-import threading
 import time
 
 import uvicorn
+
+from mtbert.deploy.protocol import TimedH11Protocol
 
 
 @dataclasses.dataclass
@@ -42,41 +48,47 @@ class Lifecycle:
     in_flight: int = 0  # requests inside the app
     served: int = 0  # requests answered since the drain began
     last_activity: float = 0.0  # time.monotonic() of the last request's start or end
-    on_grace_end: list = dataclasses.field(default_factory=list)  # callbacks: fail what is still waiting
+    on_grace_end: list = dataclasses.field(default_factory=list)  # callbacks: answer what is still in flight
+    on_ready: list = dataclasses.field(default_factory=list)  # callbacks: the app has started
 
     def begin_drain(self) -> None:
         self.draining, self.served = True, 0
 
 
 IDLE_LINGER = 0.5  # seconds without a request before a drained worker closes its idle connections
+DRAIN_BOUND = 1.0  # seconds past the grace period after which a drain ends, whatever is still open
 
 
-def log(message: str) -> None:
-    sys.stderr.write(f"mtbert serve [{os.getpid()}]: {message}\n")  # one write: workers share stderr
+def log(message: str, prefix: bool = True) -> None:
+    """One line on stderr, in one write (the workers share stderr)."""
+    sys.stderr.write(f"mtbert serve [{os.getpid()}]: {message}\n" if prefix else f"{message}\n")
     sys.stderr.flush()
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server with the drain of the module's docstring before uvicorn's own shutdown."""
 
-    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, grace: float, ignore_sigint: bool = False):
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, grace: float, supervised: bool = False):
         super().__init__(config)
         self.lifecycle, self.grace = lifecycle, grace
-        self.ignore_sigint = ignore_sigint  # a worker under the supervisor: the terminal's Ctrl-C is the parent's
+        self.supervised = supervised  # a worker under the supervisor (see the module's docstring)
         self.drain_started: float | None = None
         self.accepting = True  # until the drain's first tick
         self.grace_over = False
 
     def handle_exit(self, sig: int, frame) -> None:
-        if sig == signal.SIGINT and self.ignore_sigint:
-            return
+        if self.supervised and (sig == signal.SIGINT or self.lifecycle.draining):
+            return  # the terminal's Ctrl-C is the supervisor's; a repeated SIGTERM is the same shutdown
         if self.lifecycle.draining:  # a second signal: no more waiting
-            self.grace_over = True
+            self.end_grace()
             return
         self.lifecycle.begin_drain()  # not uvicorn's: it would re-raise the signal on exit
         self.drain_started = time.monotonic()
         log(f"{signal.Signals(sig).name}: draining {self.lifecycle.in_flight} request(s) in flight, "
             f"for at most {self.grace:g} s (--grace); /ready now answers 503")
+
+    def end_grace(self, *_) -> None:
+        self.grace_over = True
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain_started is None:
@@ -90,12 +102,15 @@ class DrainingServer(uvicorn.Server):
         if not self.grace_over and waited >= self.grace:
             self.grace_over = True
         if self.grace_over and self.lifecycle.in_flight:
-            for fail_waiting in self.lifecycle.on_grace_end:
-                fail_waiting()
+            for answer_now in self.lifecycle.on_grace_end:
+                answer_now()
         quiet = time.monotonic() - self.lifecycle.last_activity
-        if self.lifecycle.in_flight or (self.server_state.connections and quiet < IDLE_LINGER and not self.grace_over):
+        lingering = self.server_state.connections and quiet < IDLE_LINGER and not self.grace_over
+        busy = self.lifecycle.in_flight or lingering
+        if busy and waited < self.grace + DRAIN_BOUND:
             return False  # a client still on an open connection gets its next request served, with a close
-        log(f"drained: {self.lifecycle.served} request(s) answered in {waited:.2f} s; exiting")
+        left = f"; {self.lifecycle.in_flight} request(s) still open are closed" if self.lifecycle.in_flight else ""
+        log(f"drained: {self.lifecycle.served} request(s) answered in {waited:.2f} s{left}; exiting")
         return True
 
 
@@ -147,44 +162,15 @@ def waiting_connections(listener_fd: int, most: int = 1024) -> list[socket.socke
     return accepted
 
 
-def run_worker(app, *, host: str, port: int, grace: float, sockets=None, ignore_sigint: bool = False) -> None:
+def run_worker(app, *, host: str, port: int, grace: float, read_timeout: float, sockets=None,
+               supervised: bool = False) -> None:
     """Serve `app` (its `state.lifecycle` set) until a signal, then drain and return."""
-    # uvicorn's own grace is a backstop past ours: by then every request was answered or refused
-    # asyncio's loop, not uvloop: the drain takes waiting connections through asyncio's Server (stop_accepting)
+    # uvicorn's own grace is a backstop past ours: by then every request was answered or refused.
+    # asyncio's loop, not uvloop: the drain takes waiting connections through asyncio's Server (stop_accepting).
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5, loop="asyncio")
-    server = DrainingServer(config, app.state.lifecycle, grace, ignore_sigint)
+                            timeout_graceful_shutdown=1, loop="asyncio",
+                            http=functools.partial(TimedH11Protocol, read_timeout=read_timeout))
+    server = DrainingServer(config, app.state.lifecycle, grace, supervised)
+    if supervised:
+        signal.signal(signal.SIGUSR1, server.end_grace)  # the supervisor's "no more waiting"
     server.run(sockets=sockets)
-
-
-def supervise(worker, workers: int, *, host: str, port: int, grace: float) -> None:
-    """Run `worker(sock)` in `workers` spawned processes sharing one bound socket (see the docstring)."""
-    from mtbert.deploy.metrics import worker_exited
-
-    sock = uvicorn.Config(app=None, host=host, port=port).bind_socket()
-    context = multiprocessing.get_context("spawn")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-
-    def start() -> multiprocessing.Process:
-        process = context.Process(target=worker, args=(sock,), daemon=False)
-        process.start()
-        return process
-
-    processes = [start() for _ in range(workers)]
-    while not stop.wait(0.5):
-        for index, process in enumerate(processes):
-            if not process.is_alive() and not stop.is_set():
-                log(f"worker {process.pid} ended (exit status {process.exitcode}); starting another")
-                worker_exited(process.pid)
-                processes[index] = start()
-    log(f"stopping: {workers} worker(s) drain, for at most {grace:g} s")
-    sock.close()  # the workers' copies close as they drain; then new connections are refused
-    for process in processes:
-        if process.is_alive():
-            os.kill(process.pid, signal.SIGTERM)
-    for process in processes:
-        process.join()
-        worker_exited(process.pid)
-    log("every worker has stopped")

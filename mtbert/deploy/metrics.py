@@ -27,8 +27,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class ServerMetrics:
-    """What an operator watches: requests by endpoint and status, their latency, the texts per engine call,
-    the requests waiting for the engine and the engine's errors."""
+    """What an operator watches: requests by endpoint and status, their latency split into time queued and
+    time computed, the texts per engine call, the requests waiting for the engine, the requests shed (and
+    why), and the engine's errors."""
 
     def __init__(self) -> None:
         # One registry per app, so that several apps in one process (the tests) do not collide.
@@ -39,9 +40,15 @@ class ServerMetrics:
                                  ("endpoint",), buckets=LATENCY_BUCKETS, registry=self.registry)
         self.batch_texts = Histogram("mtbert_engine_batch_texts", "Texts per engine call (the micro-batch size)",
                                      buckets=BATCH_BUCKETS, registry=self.registry)
+        self.queue_seconds = Histogram("mtbert_queue_seconds", "Time a /predict request waited for its engine call",
+                                       buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.compute_seconds = Histogram("mtbert_compute_seconds", "Time of one engine call",
+                                         buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.shed = Counter("mtbert_shed_requests", "Requests not computed, by reason: overloaded (429), "
+                            "timeout or shutdown (503), client_gone", ("reason",), registry=self.registry)
         self.queue_depth = Gauge("mtbert_queue_depth", "Requests waiting for the engine",
                                  registry=self.registry, multiprocess_mode="livesum")
-        self.engine_errors = Counter("mtbert_engine_errors", "Engine calls that failed (each failed its requests)",
+        self.engine_errors = Counter("mtbert_engine_errors", "Requests the engine failed on (each retried alone first)",
                                      registry=self.registry)
 
     def exposition(self) -> tuple[bytes, str]:

@@ -1,0 +1,157 @@
+"""`python -m bench.serve`: `mtbert serve` under a normal load and an overload, driven over loopback by a real
+HTTP client (httpx), bounded in count and time. Writes metrics/bench-serve.json.
+
+One server, with its default limits, serves three phases in turn:
+1. **normal**: `--clients` clients, each sending `--requests` one-sentence requests back to back;
+2. **overload**: `--overload` connections at once, each sending one request of `--overload-texts` texts of
+   `--overload-chars` characters (the issue's probe: 1,500 x 64 x 2,000), every client waiting longer than
+   the server's request timeout, so that each request ends as the server's answer;
+3. **vanishing clients**: the same overload again, but every client hangs up after `--give-up` seconds,
+   as clients that time out do.
+After phases 2 and 3 a fresh one-sentence request is sent and timed: how soon the server answers again.
+Per phase: throughput, p50 and p99 latency of the answered (200) requests, every status counted, the share
+shed (429 and 503), the slowest answer of any status, and the server's peak memory (VmHWM, summed over
+its processes) after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+import typer
+
+from bench.deploy import load_test, peak_rss_mib, start_server, stop_server
+
+app = typer.Typer(add_completion=False)
+SHED = ("429", "503")
+
+
+def overload(url: str, task: str, texts: list[str], connections: int, timeout: float) -> dict:
+    """`connections` clients at once, each one request of `texts`, each waiting at most `timeout` seconds."""
+    import httpx
+
+    body = httpx.Request("POST", "/predict", json={"task": task, "texts": texts}).content  # serialized once
+    outcomes: list[tuple[str, float]] = []
+
+    async def client(http: httpx.AsyncClient) -> None:
+        started = time.perf_counter()
+        try:
+            response = await http.post("/predict", content=body, headers={"content-type": "application/json"})
+            outcome = str(response.status_code)
+        except httpx.HTTPError as error:
+            outcome = type(error).__name__
+        outcomes.append((outcome, time.perf_counter() - started))
+
+    async def run() -> float:
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as http:
+            started = time.perf_counter()
+            await asyncio.gather(*(client(http) for _ in range(connections)))
+            return time.perf_counter() - started
+
+    wall = asyncio.run(run())
+    return summary(outcomes, wall, sent=connections)
+
+
+def summary(outcomes: list[tuple[str, float]], wall: float, sent: int) -> dict:
+    ok = [1000 * seconds for outcome, seconds in outcomes if outcome == "200"]
+    counts = {outcome: sum(1 for o, _ in outcomes if o == outcome) for outcome in sorted({o for o, _ in outcomes})}
+    return {"sent": sent, "answered": counts, "accounted_for": sum(counts.values()) == sent,
+            "shed_share": round(sum(counts.get(status, 0) for status in SHED) / sent, 4),
+            "latency_ms": {"p50": round(float(np.percentile(ok, 50)), 1) if ok else None,
+                           "p99": round(float(np.percentile(ok, 99)), 1) if ok else None},
+            "slowest_answer_s": round(max(seconds for _, seconds in outcomes), 2),
+            "requests_per_second": round(len(ok) / wall, 1), "seconds": round(wall, 2)}
+
+
+def first_answer_seconds(url: str, task: str, sentence: str, timeout: float = 60) -> tuple[float, int]:
+    """How long a fresh one-sentence request takes to be answered, and its status."""
+    import httpx
+
+    started = time.perf_counter()
+    response = httpx.post(f"{url}/predict", json={"task": task, "texts": [sentence]}, timeout=timeout)
+    return round(time.perf_counter() - started, 3), response.status_code
+
+
+def long_texts(sentences: list[str], count: int, chars: int) -> list[str]:
+    """`count` texts of exactly `chars` characters, made of real sentences."""
+    stream = " ".join(sentences)
+    while len(stream) < chars * count:
+        stream += " " + stream
+    return [stream[start * chars:(start + 1) * chars] for start in range(count)]
+
+
+def serve_figures(export_dir: Path, sentences: list[str], *, task: str = "sst", clients: int = 32,
+                  requests: int = 20, connections: int = 1500, texts: int = 64, chars: int = 2000,
+                  give_up: float = 1.0, client_timeout: float = 45.0, server_args: tuple = (),
+                  scratch: Path) -> dict:
+    process, url = start_server(scratch / "serve.log", "--model", export_dir, *server_args, timeout=300)
+    heavy = long_texts(sentences, texts, chars)
+    figures: dict = {"server_args": [str(a) for a in server_args], "peak_rss_mib": {}}
+    try:
+        figures["peak_rss_mib"]["idle"] = peak_rss_mib(process.pid)
+        print(f"  normal: {clients} clients x {requests} one-sentence requests ...", flush=True)
+        figures["normal"] = load_test(url, task, [(s,) for s in sentences], clients, requests, timeout=client_timeout)
+        figures["peak_rss_mib"]["normal"] = peak_rss_mib(process.pid)
+        print(f"  overload: {connections} connections at once, {texts} texts x {chars} characters each ...",
+              flush=True)
+        figures["overload"] = overload(url, task, heavy, connections, client_timeout)
+        figures["overload"]["fresh_request_after"] = first_answer_seconds(url, task, sentences[0])
+        figures["peak_rss_mib"]["overload"] = peak_rss_mib(process.pid)
+        print(f"  vanishing: the same, every client hanging up after {give_up:g} s ...", flush=True)
+        figures["vanishing"] = overload(url, task, heavy, connections, give_up)
+        figures["vanishing"]["fresh_request_after"] = first_answer_seconds(url, task, sentences[0])
+        figures["peak_rss_mib"]["vanishing"] = peak_rss_mib(process.pid)
+    finally:
+        stop_server(process)
+    figures["server_exit_status"] = process.returncode
+    figures["server_log_tail"] = (scratch / "serve.log").read_text().splitlines()[-3:]
+    return figures
+
+
+def report(f: dict) -> None:
+    n = f["normal"]
+    print(f"mtbert serve {' '.join(f['server_args'])}; peak RSS (MiB) {f['peak_rss_mib']}")
+    print(f"  normal: {n['sent']} requests from {n['clients']} clients, {n['requests_per_second']} requests/s, "
+          f"p50 {n['latency_ms']['p50']} ms, p99 {n['latency_ms']['p99']} ms, answered {n['answered']}")
+    for phase in ("overload", "vanishing"):
+        o = f[phase]
+        print(f"  {phase}: {o['sent']} requests, answered {o['answered']} (shed {100 * o['shed_share']:.1f}%), "
+              f"{o['requests_per_second']} answered requests/s, p50 {o['latency_ms']['p50']} ms, p99 "
+              f"{o['latency_ms']['p99']} ms, slowest {o['slowest_answer_s']} s; a fresh request after it: "
+              f"{o['fresh_request_after'][0]} s ({o['fresh_request_after'][1]})")
+
+
+@app.command()
+def main(model: Path = typer.Option(Path("exports/ensemble"), help="the export to serve"),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized"), help="where the dev sentences come from"),
+         task: str = typer.Option("sst", help="a one-sentence task of the model"),
+         clients: int = typer.Option(32, min=1), requests: int = typer.Option(20, min=1),
+         connections: int = typer.Option(1500, "--overload", min=1, help="concurrent connections of the overload"),
+         texts: int = typer.Option(64, "--overload-texts", min=1), chars: int = typer.Option(2000, "--overload-chars"),
+         give_up: float = typer.Option(1.0, min=0.1, help="seconds after which a vanishing client hangs up"),
+         threads: int = typer.Option(0, min=0, help="the server's threads; 0: every core"),
+         server_arg: list[str] = typer.Option([], help="one more argument for `mtbert serve` (repeat)"),
+         json_out: Path = typer.Option(Path("metrics/bench-serve.json"))) -> None:
+    """`mtbert serve` under normal load, overload and vanishing clients (see the module's docstring)."""
+    import tempfile
+
+    from mtbert import io
+    from mtbert.deploy.engine import load_export
+    from mtbert.deploy.ensemble_export import dev_texts
+
+    sentences = [row[0] for row in dev_texts(tokenized_dir, {task: load_export(model).tasks[task]}, 1000)[task]]
+    server_args = (*(("--threads", threads) if threads else ()), *server_arg)
+    with tempfile.TemporaryDirectory() as scratch:
+        figures = serve_figures(model, sentences, task=task, clients=clients, requests=requests,
+                                connections=connections, texts=texts, chars=chars, give_up=give_up,
+                                server_args=server_args, scratch=Path(scratch))
+    report(figures)
+    io.write_json(json_out, figures)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,286 @@
+"""`mtbert serve` under hostile load and bad clients: past its bounds it answers at once (429, 503) instead of
+queueing; a bad text or a failed engine call fails only its own request; slow, vanishing and unfinished
+clients cost a bounded time; one signal is one drain; and it asks for its bearer token.
+
+The real server runs in its own process, called over loopback by httpx or a raw socket (to send half a
+request); the engine's own timing is replaced (in this process) only where a test needs a call that
+blocks."""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from bench.deploy import start_server, stop_server
+from mtbert.deploy.engine import OnnxPredictor
+
+STARTUP_SECONDS = 300
+API_KEY = "test-key-1"
+READ_TIMEOUT = 1.0
+BATCH_WAIT_MS = 1000  # each batch waits this long for company: requests stay queued that long
+
+
+@pytest.fixture(scope="module")
+def strict(deployed, tmp_path_factory):
+    """A server with small bounds, a bearer token from the environment and JSON access logs."""
+    log = tmp_path_factory.mktemp("strict") / "stderr.log"
+    process, url = start_server(log, "--model", deployed.exports / "bi", "--engine", "onnx", "--threads", "1",
+                                "--batch-wait-ms", BATCH_WAIT_MS, "--max-concurrent-requests", 4,
+                                "--max-queued-texts", 4, "--read-timeout", READ_TIMEOUT, "--access-log", "json",
+                                timeout=STARTUP_SECONDS, env={"MTBERT_API_KEY": API_KEY})
+    yield url, log
+    stop_server(process)
+
+
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+
+
+def post(url: str, texts: list, **headers) -> httpx.Response:
+    body = json.dumps({"task": "sst", "texts": texts})  # ASCII with escapes, as a lone surrogate needs
+    return httpx.post(f"{url}/predict", content=body, headers={"content-type": "application/json", **AUTH,
+                                                                **headers}, timeout=60)
+
+
+def raw_connection(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    connection = socket.create_connection((host, int(port)))
+    connection.settimeout(30)
+    return connection
+
+
+def half_a_body(url: str) -> socket.socket:
+    """A connection that sent a /predict request's headers and 8 of its 100 bytes of body."""
+    connection = raw_connection(url)
+    connection.sendall(b"POST /predict HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                       b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"task\":")
+    return connection
+
+
+def until_closed(connection: socket.socket) -> str:
+    """Everything the server sends on `connection` until it closes it."""
+    received = b""
+    while chunk := connection.recv(4000):
+        received += chunk
+    return received.decode()
+
+
+def test_predict_and_metrics_ask_for_the_bearer_token_and_probes_do_not(strict):
+    url, _ = strict
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": API_KEY}):
+        refused = httpx.post(f"{url}/predict", json={"task": "sst", "texts": ["Fine."]}, headers=headers)
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+        assert refused.json() == {"error": "missing or wrong bearer token: send `Authorization: Bearer <key>` "
+                                           "(--api-key)"}
+    assert httpx.get(f"{url}/metrics").status_code == 401
+    assert httpx.get(f"{url}/metrics", headers=AUTH).status_code == 200
+    assert post(url, ["Fine."]).status_code == 200
+    assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/ready").status_code == 200
+
+
+def test_request_ids_are_echoed_and_each_request_is_one_json_log_line(strict):
+    url, log = strict
+    given = post(url, ["Fine."], **{"x-request-id": "client-id-7"})
+    assert given.status_code == 200 and given.headers["x-request-id"] == "client-id-7"
+    unsafe = post(url, ["Fine."], **{"x-request-id": "two words"})  # not a plain token: replaced, not echoed
+    assert len(unsafe.headers["x-request-id"]) == 32 and unsafe.headers["x-request-id"] != "two words"
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    mine = next(line for line in lines if line["request_id"] == "client-id-7")
+    assert mine["path"] == "/predict" and mine["status"] == 200 and mine["texts"] == 1
+    assert mine["queue_seconds"] >= BATCH_WAIT_MS / 1000 * 0.9 and mine["compute_seconds"] > 0
+    assert mine["seconds"] >= mine["queue_seconds"] + mine["compute_seconds"]
+
+
+def test_past_its_bounds_the_server_answers_429_at_once_with_retry_after(strict):
+    url, _ = strict
+    crowded = post(url, ["One.", "Two.", "Three.", "Four.", "Five."])  # more texts than the queue holds
+    assert crowded.status_code == 429 and crowded.headers["retry-after"] == "1"
+    assert crowded.json()["error"] == ("overloaded: 0 texts are waiting for the engine; this request's 5 would "
+                                       "pass the bound of 4 (--max-queued-texts); send it again after Retry-After")
+
+    def timed(index: int) -> tuple[int, float]:
+        started = time.monotonic()
+        status = post(url, [f"Film {index}."]).status_code
+        return status, time.monotonic() - started
+
+    with ThreadPoolExecutor(6) as pool:  # six at once against a bound of four: all arrive within one batch wait
+        outcomes = list(pool.map(timed, range(6)))
+    statuses = sorted(status for status, _ in outcomes)
+    assert statuses == [200, 200, 200, 200, 429, 429], outcomes
+    assert all(seconds < BATCH_WAIT_MS / 1000 for status, seconds in outcomes if status == 429), outcomes
+
+
+def test_a_bad_text_fails_only_its_own_request(strict):
+    """A lone surrogate (which JSON can carry, and no tokenizer can take) beside good requests in one batch."""
+    url, _ = strict
+    texts = ["A fine film.", "Dull.", "ok \ud800 there", "Witty.", "Long and slow."]
+    with ThreadPoolExecutor(len(texts)) as pool:
+        responses = list(pool.map(lambda text: post(url, [text]), texts))
+    assert [r.status_code for r in responses] == [200, 200, 422, 200, 200]
+    assert responses[2].json() == {"error": "texts row 1: a text holds a lone surrogate (U+D800 at character 4), "
+                                            "which is not a character; expected valid Unicode text"}
+
+
+def metric(url: str, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_a_client_that_hangs_up_is_one_log_line_and_is_never_computed(strict):
+    url, log = strict
+    calls = httpx.get(f"{url}/health").json()["engine_calls"]
+    gone = metric(url, "mtbert_requests_total", endpoint="/predict", status="499")
+    half_a_body(url).close()  # mid-body
+    queued = raw_connection(url)  # a whole request, then gone while its batch waits for company
+    body = json.dumps({"task": "sst", "texts": ["Gone."]}).encode()
+    queued.sendall(b"POST /predict HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer " + API_KEY.encode() +
+                   b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    time.sleep(0.2)
+    queued.close()
+    time.sleep(BATCH_WAIT_MS / 1000 + 0.5)
+    assert metric(url, "mtbert_requests_total", endpoint="/predict", status="499") == gone + 2
+    assert httpx.get(f"{url}/health").json()["engine_calls"] == calls  # its batch ran nothing
+    text = log.read_text()
+    assert re.search(r"the client hung up while sending its body \(\d bytes came\); nothing was sent", text)
+    assert "the client hung up while its request waited for the engine" in text
+    assert "Traceback" not in text
+
+
+def test_slow_headers_and_bodies_are_cut_off_after_the_read_timeout(strict):
+    url, _ = strict
+    slow_headers = raw_connection(url)
+    slow_headers.sendall(b"POST /predict HTTP/1.1\r\nHo")
+    started = time.monotonic()
+    assert slow_headers.recv(1000) == b""  # closed
+    assert READ_TIMEOUT * 0.9 <= time.monotonic() - started < READ_TIMEOUT + 5
+    slow_body = half_a_body(url)
+    answer = until_closed(slow_body)
+    assert answer.startswith("HTTP/1.1 408 ") and "connection: close" in answer.lower()
+    assert answer.endswith('{"error":"the body was not received within 1 s (--read-timeout); 8 bytes came"}')
+
+
+# --- in this process: an engine whose calls block until released ------------------------------------------
+class Blocking:
+    """A predictor whose calls wait for `release`; it records the rows it computed."""
+
+    def __init__(self, tasks):
+        self.tasks, self.release, self.computed = tasks, threading.Event(), []
+
+    def predict(self, task, rows):
+        self.release.wait(30)
+        self.computed += [row[0] for row in rows]
+        return [{"score": 1.0, "label": 1.0} for _ in rows]
+
+
+def test_a_request_past_its_deadline_gets_503_and_is_never_computed_and_health_says_the_engine_is_stuck(
+        deployed):
+    from mtbert.deploy.api import create_app
+    from mtbert.deploy.serve_config import Admission, Batching
+
+    engine = Blocking(OnnxPredictor.load(deployed.exports / "bi").tasks)
+
+    async def scenario():
+        app = create_app(engine, batching=Batching(wait_ms=0), admission=Admission(request_timeout=0.5))
+        transport = httpx.ASGITransport(app=app)
+        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport,
+                                                                        base_url="http://test") as client:
+            first = asyncio.ensure_future(client.post("/predict", json={"task": "sst", "texts": ["in the engine"]}))
+            await asyncio.sleep(0.1)  # the first request's call now blocks the engine
+            second = await client.post("/predict", json={"task": "sst", "texts": ["queued"]})
+            health = await client.get("/health")
+            engine.release.set()
+            await asyncio.sleep(0.2)
+            return await first, second, health, await client.get("/health")
+
+    first, second, stuck, healthy = asyncio.run(scenario())
+    for refused in (first, second):
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"].startswith("not answered within the request timeout of 0.5 s")
+    assert engine.computed == ["in the engine"]  # the queued one was withdrawn before its call
+    assert stuck.status_code == 503 and stuck.json()["status"] == "unhealthy"
+    assert stuck.json()["error"].startswith("an engine call has run for ")
+    assert healthy.status_code == 200 and healthy.json()["status"] == "ok"
+
+
+# --- shutdown ----------------------------------------------------------------------------------------------
+def test_an_unfinished_body_does_not_hold_a_shutdown_past_its_grace(deployed, tmp_path):
+    log = tmp_path / "stderr.log"
+    process, url = start_server(log, "--model", deployed.exports / "bi", "--engine", "onnx", "--threads", "1",
+                                "--grace", "1", "--read-timeout", "60", timeout=STARTUP_SECONDS)
+    try:
+        connection = half_a_body(url)  # its body never comes
+        time.sleep(0.3)
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        assert time.monotonic() - signalled < 1 + 2  # --grace + 2 s
+        assert until_closed(connection).startswith("HTTP/1.1 503 ")
+    finally:
+        if process.poll() is None:
+            stop_server(process)
+    assert "drained: 1 request(s) answered" in log.read_text()
+
+
+@pytest.mark.slow(reason="two server worker processes")
+def test_a_signal_to_the_process_group_is_one_drain_that_keeps_its_grace(deployed, tmp_path):
+    """docker, systemd and dumb-init signal every process of the group: each worker gets SIGTERM itself and
+    again from the supervisor. The request waiting in a 3 s batch is still served."""
+    log = tmp_path / "stderr.log"
+    process, url = start_server(log, "--model", deployed.exports / "bi", "--engine", "onnx", "--threads", "1",
+                                "--workers", "2", "--grace", "10", "--batch-wait-ms", "3000",
+                                timeout=STARTUP_SECONDS, new_session=True)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.post, f"{url}/predict", json={"task": "sst", "texts": ["Fine."]}, timeout=60)
+            time.sleep(0.5)
+            os.killpg(process.pid, signal.SIGTERM)
+            assert waiting.result().status_code == 200
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            stop_server(process)
+    text = log.read_text()
+    assert text.count("SIGTERM: draining") == 2 and "grace period ended" not in text, text
+
+
+def never_starts(sock, started) -> None:
+    """A worker that fails before it serves (a spawned process imports this module to run it)."""
+    sys.exit(1)
+
+
+def test_workers_that_fail_to_start_stop_the_server_in_one_line(tmp_path):
+    from bench.deploy import free_port
+    from mtbert.deploy.supervisor import WorkersFailedToStart, supervise
+
+    with pytest.raises(WorkersFailedToStart, match=r"^3 workers in a row stopped before they could serve \(the "
+                                                   r"last with exit status 1; its error is above\); stopping"):
+        supervise(never_starts, 2, host="127.0.0.1", port=free_port(), grace=1)
+
+
+def test_a_truncated_graph_stops_the_server_in_one_line_before_any_worker_starts(deployed, tmp_path):
+    import shutil
+    import subprocess
+
+    from bench.deploy import free_port
+    from tests.conftest import REPO_ROOT
+
+    broken = tmp_path / "bi"
+    shutil.copytree(deployed.exports / "bi", broken)
+    graph = broken / "sst.onnx"
+    graph.write_bytes(graph.read_bytes()[:1000])
+    result = subprocess.run([sys.executable, "-m", "mtbert.cli", "serve", "--model", str(broken), "--engine", "onnx",
+                             "--workers", "2", "--port", str(free_port())], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=STARTUP_SECONDS)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: ") and graph.name in result.stderr
