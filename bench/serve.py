@@ -94,7 +94,9 @@ def serve_figures(export_dir: Path, sentences: list[str], *, task: str = "sst", 
     try:
         figures["peak_rss_mib"]["idle"] = peak_rss_mib(process.pid)
         print(f"  normal: {clients} clients x {requests} one-sentence requests ...", flush=True)
-        figures["normal"] = load_test(url, task, [(s,) for s in sentences], clients, requests, timeout=client_timeout)
+        normal = load_test(url, task, [(s,) for s in sentences], clients, requests, timeout=client_timeout)
+        shed = sum(normal["answered"].get(status, 0) for status in SHED)
+        figures["normal"] = {**normal, "shed_share": round(shed / normal["sent"], 4)}
         figures["peak_rss_mib"]["normal"] = peak_rss_mib(process.pid)
         print(f"  overload: {connections} connections at once, {texts} texts x {chars} characters each ...",
               flush=True)
@@ -116,7 +118,8 @@ def report(f: dict) -> None:
     n = f["normal"]
     print(f"mtbert serve {' '.join(f['server_args'])}; peak RSS (MiB) {f['peak_rss_mib']}")
     print(f"  normal: {n['sent']} requests from {n['clients']} clients, {n['requests_per_second']} requests/s, "
-          f"p50 {n['latency_ms']['p50']} ms, p99 {n['latency_ms']['p99']} ms, answered {n['answered']}")
+          f"p50 {n['latency_ms']['p50']} ms, p99 {n['latency_ms']['p99']} ms, answered {n['answered']} (shed "
+          f"{100 * n['shed_share']:.1f}%)")
     for phase in ("overload", "vanishing"):
         o = f[phase]
         print(f"  {phase}: {o['sent']} requests, answered {o['answered']} (shed {100 * o['shed_share']:.1f}%), "

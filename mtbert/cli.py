@@ -135,6 +135,8 @@ def serve(model: Path = typer.Option(None, "--model", help="an export (exports/b
           max_body_bytes: int = typer.Option(Limits.max_body_bytes, min=64, help="bytes of a request's body"),
           max_batch: int = typer.Option(Batching.max_batch, min=1,
                                         help="texts per engine call, across concurrent requests"),
+          max_batch_chars: int = typer.Option(Batching.max_batch_chars, min=1,
+                                              help="characters per engine call: long texts go in smaller calls"),
           batch_wait_ms: float = typer.Option(Batching.wait_ms, min=0.0,
                                               help="how long a batch waits for more requests"),
           max_concurrent_requests: int = typer.Option(
@@ -174,7 +176,8 @@ def serve(model: Path = typer.Option(None, "--model", help="an export (exports/b
                                        read_timeout=read_timeout),
                          admission=Admission(max_concurrent_requests=max_concurrent_requests,
                                              max_queued_texts=max_queued_texts, request_timeout=request_timeout),
-                         batching=Batching(max_batch=max_batch, wait_ms=batch_wait_ms),
+                         batching=Batching(max_batch=max_batch, max_batch_chars=max_batch_chars,
+                                           wait_ms=batch_wait_ms),
                          operations=Operations(api_key=api_key or None, access_log=access_log))
     run_server(config, host=host, port=port, workers=workers, grace=grace)
 

@@ -217,6 +217,30 @@ def test_deploy_bench_writes_every_figure(tmp_path, deployed):
     assert "8. deployment" in result.output and "mtbert serve (1 worker(s)): 12 requests" in result.output
 
 
+def test_serve_bench_drives_a_normal_load_an_overload_and_vanishing_clients(tmp_path, deployed):
+    """`python -m bench.serve` in small: every request accounted for, each overload request answered by the
+    server (200 or 429; none refused by the machine), and a fresh request answered after each phase."""
+    from bench.serve import app as serve_app
+
+    out = tmp_path / "serve.json"
+    result = CliRunner().invoke(serve_app, ["--model", str(deployed.exports / "bi"), "--tokenized-dir",
+                                            str(deployed.tokenized), "--clients", "3", "--requests", "2",
+                                            "--overload", "40", "--overload-texts", "8", "--overload-chars", "300",
+                                            "--give-up", "0.5", "--threads", "1", "--server-arg=--max-concurrent-"
+                                            "requests", "--server-arg=4", "--json-out", str(out)])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    assert figures["normal"]["answered"] == {"200": 6} and figures["normal"]["shed_share"] == 0
+    overload = figures["overload"]
+    assert overload["accounted_for"] and set(overload["answered"]) <= {"200", "429"}
+    assert overload["answered"].get("429", 0) > 0 and overload["shed_share"] > 0  # past 4 concurrent requests
+    assert figures["vanishing"]["accounted_for"]
+    for phase in ("overload", "vanishing"):
+        assert figures[phase]["fresh_request_after"][1] == 200
+    assert figures["peak_rss_mib"]["vanishing"] >= figures["peak_rss_mib"]["idle"] > 50
+    assert "overload: 40 requests" in result.output
+
+
 @pytest.mark.slow(reason="four small trainings and a BERT-base-shaped encoder built on the CPU")
 def test_the_gpu_bench_dry_runs_on_the_cpu(tmp_path, tiny_backbone, tiny_tokenized):
     """`python -m bench.gpu` end to end without a GPU: the eager step and the peer on the same examples, the

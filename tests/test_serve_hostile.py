@@ -213,6 +213,49 @@ def test_a_request_past_its_deadline_gets_503_and_is_never_computed_and_health_s
     assert healthy.status_code == 200 and healthy.json()["status"] == "ok"
 
 
+class Recording:
+    """A predictor whose every call takes `seconds` and is recorded."""
+
+    def __init__(self, tasks, seconds: float):
+        self.tasks, self.seconds, self.calls = tasks, seconds, []
+
+    def predict(self, task, rows):
+        time.sleep(self.seconds)
+        self.calls.append([row[0] for row in rows])
+        return [{"text": row[0]} for row in rows]
+
+
+def test_long_texts_go_in_short_calls_and_the_engines_speed_bounds_admission(deployed):
+    from mtbert.deploy.api import create_app
+    from mtbert.deploy.serve_config import Admission, Batching
+
+    engine = Recording(OnnxPredictor.load(deployed.exports / "bi").tasks, seconds=0.1)
+    long_texts = [f"{index}" + "x" * 59 for index in range(4)]  # 60 characters each
+
+    async def scenario():
+        app = create_app(engine, batching=Batching(wait_ms=200, max_batch_chars=100),
+                         admission=Admission(request_timeout=2.0))
+        transport = httpx.ASGITransport(app=app)
+        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport,
+                                                                        base_url="http://test") as client:
+            served = await client.post("/predict", json={"task": "sst", "texts": long_texts})
+            # the engine has shown about 600 characters a second; while 4 texts wait, 12 more need about
+            # 1.6 s, past half of the request timeout. Alone, they are tried.
+            waiting = asyncio.ensure_future(client.post("/predict", json={"task": "sst", "texts": long_texts}))
+            await asyncio.sleep(0.05)
+            refused = await client.post("/predict", json={"task": "sst", "texts": long_texts * 3})
+            return served, await waiting, refused, await client.post("/predict", json={
+                "task": "sst", "texts": long_texts * 3})
+
+    served, waited, refused, alone = asyncio.run(scenario())
+    assert served.status_code == 200 and served.json()["results"] == [{"text": text} for text in long_texts]
+    assert engine.calls[:4] == [[text] for text in long_texts]  # one text a call: two pass 100 characters
+    assert waited.status_code == 200
+    assert refused.status_code == 429 and refused.json()["error"].startswith(
+        "overloaded: at its present speed the engine would need about ")
+    assert alone.status_code == 200 and len(engine.calls) == 4 + 4 + 12
+
+
 # --- shutdown ----------------------------------------------------------------------------------------------
 def test_an_unfinished_body_does_not_hold_a_shutdown_past_its_grace(deployed, tmp_path):
     log = tmp_path / "stderr.log"

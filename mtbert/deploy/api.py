@@ -18,7 +18,8 @@ limit or row at fault, never the server's internals:
   over `max_chars` characters;
 - 422 a body of the wrong shape, an empty text, a pair with a side missing, or a text the tokenizer cannot
   take (not valid Unicode);
-- 429 with `Retry-After`: the server is full (`--max-concurrent-requests`, `--max-queued-texts`);
+- 429 with `Retry-After`: the server is full (`--max-concurrent-requests`, `--max-queued-texts`, the engine's
+  measured speed: mtbert/deploy/batcher.py);
 - 500 the engine failed on this request (run alone, after its batch failed), or a bug: the log has the
   details under the request's id;
 - 503 with `Retry-After`: not answered within `--request-timeout`, or the grace period of a shutdown ended.
@@ -60,7 +61,7 @@ def create_app(predictor, limits: Limits = Limits(), batching: Batching = Batchi
     """The API over `predictor` (any of mtbert's predictors: `tasks`, `predict(task, texts)`); its
     `state.lifecycle` says whether it is ready or draining (mtbert/deploy/lifecycle.py)."""
     metrics, lifecycle = ServerMetrics(), Lifecycle()
-    batcher = MicroBatcher(predictor, batching, admission.max_queued_texts, metrics)
+    batcher = MicroBatcher(predictor, batching, admission, metrics)
     retry = {"Retry-After": str(admission.retry_after)}
 
     @asynccontextmanager

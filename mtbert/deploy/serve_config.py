@@ -35,6 +35,9 @@ class Admission:
 @dataclasses.dataclass(frozen=True)
 class Batching:
     max_batch: int = 64  # texts per engine call
+    # characters per engine call (a text counts at most 512): 64 sentences of 128 characters fit, long texts
+    # go in smaller calls
+    max_batch_chars: int = 8192
     wait_ms: float = 2.0  # how long a batch waits for more requests after its first
 
 
