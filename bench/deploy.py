@@ -19,18 +19,16 @@ and data/tokenized.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import typer
 
+from bench.common import load_test, peak_rss_mib, start_server, stop_server, verdict
 from bench.latency import batched_rates, single_sentence_ms
 from mtbert.deploy.ensemble_export import dev_texts
 
@@ -79,85 +77,6 @@ def cold_start_seconds(folder: Path, task: str, sentence: str, threads: int, run
     return round(statistics.median(times), 3)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_server(log: Path, *arguments, timeout: float = 120, env: dict | None = None,
-                 new_session: bool = False) -> tuple[subprocess.Popen, str]:
-    """`mtbert serve` on a free loopback port (its stderr to `log`; `env` added to the environment; in a
-    process group of its own with `new_session`), once /health answers: the process and its base URL."""
-    import os
-
-    import httpx
-
-    port = free_port()
-    with log.open("w") as stderr:  # a file, not a pipe: a pipe nobody reads could fill and block the server
-        process = subprocess.Popen([sys.executable, "-m", "mtbert.cli", "serve", "--host", "127.0.0.1", "--port",
-                                    str(port), *map(str, arguments)], stdout=subprocess.DEVNULL, stderr=stderr,
-                                   env={**os.environ, **(env or {})}, start_new_session=new_session)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"mtbert serve exited: {log.read_text().strip()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            time.sleep(0.1)
-    stop_server(process)
-    raise RuntimeError(f"mtbert serve did not answer /health within {timeout:.0f} s")
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-def load_test(url: str, task: str, sentences: list[tuple[str, ...]], clients: int, requests: int,
-              timeout: float = 60) -> dict:
-    """`clients` concurrent clients, each sending `requests` one-text requests one after another; every
-    request ends as a status or a client error (a timeout, a refused connection), and all are counted."""
-    import httpx
-
-    outcomes: list[tuple[str, float]] = []
-
-    async def client(number: int, http: httpx.AsyncClient) -> None:
-        for index in range(requests):
-            text = sentences[(number * requests + index) % len(sentences)]
-            body = {"task": task, "texts": [text[0] if len(text) == 1 else list(text)]}
-            started = time.perf_counter()
-            try:
-                response = await http.post("/predict", json=body)
-                outcome = str(response.status_code)
-            except httpx.HTTPError as error:
-                outcome = type(error).__name__
-            outcomes.append((outcome, time.perf_counter() - started))
-
-    async def run() -> float:
-        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-        async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as http:
-            started = time.perf_counter()
-            await asyncio.gather(*(client(number, http) for number in range(clients)))
-            return time.perf_counter() - started
-
-    wall = asyncio.run(run())
-    ok = [1000 * seconds for outcome, seconds in outcomes if outcome == "200"]
-    counts = {outcome: sum(1 for o, _ in outcomes if o == outcome) for outcome in sorted({o for o, _ in outcomes})}
-    return {"clients": clients, "requests_per_client": requests, "sent": clients * requests,
-            "answered": counts, "accounted_for": sum(counts.values()) == clients * requests,
-            "latency_ms": {"p50": round(float(np.percentile(ok, 50)), 2) if ok else None,
-                           "p99": round(float(np.percentile(ok, 99)), 2) if ok else None},
-            "requests_per_second": round(len(ok) / wall, 1), "seconds": round(wall, 2)}
-
-
 def server_figures(export_dir: Path, task: str, sentences: list, clients: int, requests: int, workers: int,
                    threads: int, scratch: Path) -> dict:
     started = time.perf_counter()
@@ -171,26 +90,6 @@ def server_figures(export_dir: Path, task: str, sentences: list, clients: int, r
         stop_server(process)
     return {"workers": workers, "threads_per_worker": threads, "start_seconds": round(ready, 2), **figures,
             "peak_rss_mib": memory}
-
-
-def peak_rss_mib(pid: int) -> float | None:
-    """The peak resident memory (VmHWM) of a process and all its descendants (uvicorn's workers) summed,
-    in MiB; None where /proc is not there (not Linux)."""
-    def status(process: int, key: str) -> int:
-        for line in Path(f"/proc/{process}/status").read_text().splitlines():
-            if line.startswith(key):
-                return int(line.split()[1])  # kB
-        return 0
-
-    if not Path(f"/proc/{pid}/status").exists():
-        return None
-    family, total = [pid], 0
-    while family:
-        process = family.pop()
-        total += status(process, "VmHWM:")
-        for task in Path(f"/proc/{process}/task").iterdir():
-            family += [int(child) for child in (task / "children").read_text().split()]
-    return round(total / 1024, 1)
 
 
 # --- the figure ----------------------------------------------------------------------------------------
@@ -309,11 +208,6 @@ def report(f: dict) -> None:
         print(f"   int8 vs fp32 dev (the export's): overall {dev['int8']['overall']:.4f} vs "
               f"{dev['onnx']['overall']:.4f}, drops {f['export']['int8_drop']}; default engine "
               f"{f['export']['engine']}: {f['export']['reason']}")
-
-
-def verdict(value: float, target: float, higher_is_better: bool) -> str:
-    met = value >= target if higher_is_better else value <= target
-    return f"(target {'>=' if higher_is_better else '<='} {target}: {'met' if met else 'NOT met'})"
 
 
 @app.command()

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import typer
 
+from bench.common import scratch_run
 from bench.peer import Tally, TrainerPeer, mixed_rate, mtbert_step, task_share
-from bench.smart_step import scratch_run
 from bench.suite import non_embedding_parameters
 from mtbert import io
 from mtbert.model.backbone import load_tokenizer, resolve_backbone

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import typer
 
-from bench.deploy import load_test, peak_rss_mib, start_server, stop_server
+from bench.common import load_test, peak_rss_mib, start_server, stop_server
 
 app = typer.Typer(add_completion=False)
 SHED = ("429", "503")

@@ -15,18 +15,15 @@ import dataclasses
 import functools
 import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import typer
 
+from bench.common import alternate_blocks, scratch_run, timed_steps
 from mtbert import io
 from mtbert.params import SmartParams, variant_params, with_changes
 from mtbert.runtime import setup_logging
 from mtbert.training.build import FineTuning, schedule
-from mtbert.training.finetune import accumulate_gradients, start, update
-from mtbert.training.loop import Paths
 from mtbert.training.objective import Objective
 from mtbert.training.progress import Progress
 
@@ -49,39 +46,6 @@ def smart_run(run: FineTuning, steps: int, mode: str = "adversarial") -> FineTun
 
 def plain_run(run: FineTuning) -> FineTuning:
     return with_smart(run, with_changes(run.params.smart, lambda_=0.0, mu=0.0))
-
-
-def timed_steps(run: FineTuning, progress: Progress, steps: list[tuple[str, ...]]) -> list[float]:
-    """Seconds of each of these steps: forward, backward and the optimiser update, as training runs them."""
-    seconds = []
-    for tasks in steps:
-        started = time.perf_counter()
-        accumulate_gradients(run, progress, tasks)
-        update(run, progress)
-        run.finite.check()  # reads the step's losses: on a GPU, waits for the step to finish
-        seconds.append(time.perf_counter() - started)
-    return seconds
-
-
-def scratch_run(params, variant: str, tokenized_dir: Path, scratch: Path) -> tuple[FineTuning, Progress]:
-    """The `train` stage's run of one variant, set up as the stage does, writing (if at all) only under
-    `scratch`."""
-    paths = Paths(tokenized=tokenized_dir, model_out=scratch / "model", metrics_out=scratch / "metrics.json",
-                  live_dir=scratch / "live", checkpoints=scratch / "checkpoints")
-    return start(params, variant, paths)
-
-
-def alternate_blocks(arms: dict[str, Callable[[list], list[float]]], batches: list,
-                     block: int) -> dict[str, list[float]]:
-    """Each arm's seconds per step over the same batches, block by block in turn after one untimed block each,
-    so a slow spell of the machine hits every arm alike. An arm times the steps of the batches it is given."""
-    for time_steps in arms.values():  # warm-up, untimed
-        time_steps(batches[:block])
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    for first in range(block, len(batches), block):
-        for name, time_steps in arms.items():
-            times[name] += time_steps(batches[first:first + block])
-    return times
 
 
 def alternating_step_times(run: FineTuning, progress: Progress, steps: int, block: int,

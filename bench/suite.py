@@ -36,7 +36,6 @@ change in the machine's speed during the run hits all of them alike. Needs data/
 from __future__ import annotations
 
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -47,11 +46,12 @@ import numpy as np
 import torch
 import typer
 
+from bench.common import cpu_name, scratch_run, verdict
 from bench.deploy import deploy_figures, ensemble_figures, report_ensemble
 from bench.deploy import report as report_deploy
 from bench.inference import engine_figures
 from bench.peer import peer_figures
-from bench.smart_step import alternating_step_times, ratios, scratch_run
+from bench.smart_step import alternating_step_times, ratios
 from mtbert import io
 from mtbert.data.batches import TaskSplit, eval_batches, load_split
 from mtbert.data.sampling import TaskStream
@@ -225,19 +225,6 @@ def training_peak_rss_gib(params_file: Path, tokenized_dir: Path, variant: str, 
 
 
 # --- the report -------------------------------------------------------------------------------------
-def cpu_name() -> str:
-    """The processor's model and its bf16 units, as Linux names them: a figure holds for that CPU only."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown"
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                 platform.processor() or "unknown")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    units = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags] or ["no bf16 units"]
-    return f"{model} ({', '.join(units)})"
-
-
 @app.command()
 def main(train_steps: int = typer.Option(24, help="timed training steps per configuration"),
          block: int = typer.Option(4, help="steps per block; the configurations alternate block by block"),
@@ -355,11 +342,6 @@ def report_peer(peer: dict) -> None:
     ratio = peer["overall"]["ratio"]
     print(f"1. train speed mtbert / Hugging Face Trainer, an epoch's task mix: {ratio:.2f}x "
           f"{verdict(ratio, TARGETS['peer_speedup'], True)}")
-
-
-def verdict(value: float, target: float, higher_is_better: bool) -> str:
-    met = value >= target if higher_is_better else value <= target
-    return f"(target {'>=' if higher_is_better else '<='} {target}: {'met' if met else 'NOT met'})"
 
 
 def report(f: dict) -> None:

@@ -4,7 +4,7 @@
 
 `--onednn-cache`, `--malloc-threshold-mb` and `--max-batch-tokens` override `runtime.onednn_cache`,
 `runtime.malloc_threshold_mb` and `train.max_batch_tokens` (-1 keeps params.yaml's), as
-bench/memory_knobs.py compares them. `--longest-first` makes each task's first batch its longest rows, the
+bench/probes/memory_knobs.py compares them. `--longest-first` makes each task's first batch its longest rows, the
 batch that sets a whole epoch's peak, so a few steps show it.
 
 Run as its own process (bench/suite.py does) so the figure is that of training alone.
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import typer
 
-from bench.smart_step import scratch_run
+from bench.common import scratch_run
 from mtbert.evaluation.evaluate import evaluate
 from mtbert.params import variant_params, with_changes
 from mtbert.runtime import peak_rss_gib, setup_logging

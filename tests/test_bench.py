@@ -118,8 +118,8 @@ def test_suite_writes_every_figure(tmp_path, tiny_backbone, tiny_tokenized):
 
 
 def test_profile_groups_a_steps_operators_into_categories(tmp_path, tiny_backbone, tiny_tokenized):
-    from bench.profile_step import app as profile_app
-    from bench.profile_step import category
+    from bench.probes.profile_step import app as profile_app
+    from bench.probes.profile_step import category
 
     assert category("aten::addmm") == "matmul" and category("aten::_fused_adamw_") == "optimizer (AdamW)"
     assert category("aten::bernoulli_") == "dropout" and category("aten::something_new") == "other operators"
@@ -142,7 +142,7 @@ def test_profile_groups_a_steps_operators_into_categories(tmp_path, tiny_backbon
 
 
 def test_dropout_probe_times_every_arm(tmp_path, tiny_backbone, tiny_tokenized):
-    from bench.dropout_masks import app as probe_app
+    from bench.probes.dropout_masks import app as probe_app
 
     params = make_params(tmp_path, tiny_backbone, write_raw_files(tmp_path / "raw", synthetic_raw_files(16)))
     out = tmp_path / "dropout.json"
@@ -161,7 +161,7 @@ def test_the_probes_pytorch_arm_draws_pytorchs_masks_and_restores_mtberts():
     import torch
     import torch.nn.functional as F
 
-    from bench.dropout_masks import pytorch_masks
+    from bench.probes.dropout_masks import pytorch_masks
     from mtbert.model import dropout
 
     cheap = dropout.drop
@@ -175,7 +175,7 @@ def test_the_probes_pytorch_arm_draws_pytorchs_masks_and_restores_mtberts():
 
 
 def test_pretrain_attention_probe_times_both_implementations(tmp_path, tiny_backbone, tiny_tokenized):
-    from bench.pretrain_attention import app as probe_app
+    from bench.probes.pretrain_attention import app as probe_app
     from tests.test_pretrain import pretrain_params
 
     out = tmp_path / "pretrain-attention.json"

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.deploy import start_server, stop_server
+from bench.common import start_server, stop_server
 from mtbert.deploy.engine import ExportedEnsemble, OnnxEnsemblePredictor
 from mtbert.inference import InputError, Predictor
 from mtbert.integrity import read_manifest

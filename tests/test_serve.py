@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from bench.deploy import free_port, start_server, stop_server
+from bench.common import free_port, start_server, stop_server
 from mtbert.deploy.engine import OnnxPredictor
 from tests.conftest import REPO_ROOT
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from bench.deploy import start_server, stop_server
+from bench.common import start_server, stop_server
 from mtbert.deploy.engine import OnnxPredictor
 
 STARTUP_SECONDS = 300
@@ -303,7 +303,7 @@ def never_starts(sock, started) -> None:
 
 
 def test_workers_that_fail_to_start_stop_the_server_in_one_line(tmp_path):
-    from bench.deploy import free_port
+    from bench.common import free_port
     from mtbert.deploy.supervisor import WorkersFailedToStart, supervise
 
     with pytest.raises(WorkersFailedToStart, match=r"^3 workers in a row stopped before they could serve \(the "
@@ -315,7 +315,7 @@ def test_a_truncated_graph_stops_the_server_in_one_line_before_any_worker_starts
     import shutil
     import subprocess
 
-    from bench.deploy import free_port
+    from bench.common import free_port
     from tests.conftest import REPO_ROOT
 
     broken = tmp_path / "bi"

@@ -1,8 +1,8 @@
 """Where a training step's time goes: torch.profiler over real steps of the `train` stage's own run.
 
-    python -m bench.profile_step [--steps 24] [--warmup 4] [--json-out FILE]
+    python -m bench.probes.profile_step [--steps 24] [--warmup 4] [--json-out FILE]
 
-The run is set up as the stage sets it up (bench/smart_step.py `scratch_run`) and each step is what the
+The run is set up as the stage sets it up (bench/common.py `scratch_run`) and each step is what the
 stage runs: `finetune.accumulate_gradients` (batch collation, forward, backward) and `finetune.update` (clipping, AdamW,
 the moving average). The operators' self CPU time is grouped into categories (matmuls, attention,
 LayerNorm, GELU, dropout, the embedding's gradient, the optimiser, the moving average, casts, ...); the
@@ -26,7 +26,7 @@ import torch
 import typer
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.smart_step import scratch_run
+from bench.common import scratch_run
 from mtbert import io
 from mtbert.data.batches import load_split
 from mtbert.evaluation.evaluate import evaluate, predict_split

@@ -1,11 +1,11 @@
 """Dropout masks: PyTorch's against mtbert's cheaper ones (mtbert/model/dropout.py), in real training steps.
 
-    python -m bench.dropout_masks [--steps 24] [--json-out FILE]
+    python -m bench.probes.dropout_masks [--steps 24] [--json-out FILE]
 
 PyTorch draws a CPU dropout mask with `bernoulli_`: two 32-bit draws of one mt19937 stream per element, on
 one core. mtbert's masks take two elements' draws from one 32-bit word, from the same generator. This probe
 times one mask of an FFN activation's size (32 x 40 tokens by 1536) both ways, then training steps of the
-`train` stage's run (bench/smart_step.py `scratch_run`), alternating block by block over the same batches
+`train` stage's run (bench/common.py `scratch_run`), alternating block by block over the same batches
 between (a) the stage as it runs (mtbert's masks) and (b) the same run as it ran with PyTorch's masks: the
 dropout modules call `F.dropout`, and the encoders run transformers' eager attention, which calls it too.
 
@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 import typer
 
-from bench.smart_step import alternate_blocks, scratch_run, timed_steps
-from bench.suite import cpu_name
+from bench.common import alternate_blocks, cpu_name, scratch_run, timed_steps
 from mtbert import io
 from mtbert.model import dropout
 from mtbert.model.architectures import attention_implementation

@@ -1,6 +1,6 @@
 """Peak memory and speed of training under `runtime.onednn_cache` and `runtime.malloc_threshold_mb`.
 
-    python -m bench.memory_knobs [--steps 200] [--rounds 2] [--only "malloc 16 MB" ...]
+    python -m bench.probes.memory_knobs [--steps 200] [--rounds 2] [--only "malloc 16 MB" ...]
 
 Each configuration trains the default variant for `--steps` steps in a fresh process
 (bench/train_memory.py: steps, a dev evaluation, a checkpoint); the configurations alternate, round

@@ -1,8 +1,8 @@
 """Does `torch.compile` pay for training on this machine? Eager against compiled, measured in one run.
 
-    python -m bench.compile_step [--steps 24] [--bf16/--no-bf16]
+    python -m bench.probes.compile_step [--steps 24] [--bf16/--no-bf16]
 
-Both drive the `train` stage's own run (bench/smart_step.py `scratch_run`) on one variant: the same model
+Both drive the `train` stage's own run (bench/common.py `scratch_run`) on one variant: the same model
 and parameters, the same real batches (length-bucketed, so sequence lengths vary: the model is compiled
 with dynamic shapes), a step being forward, backward and the optimiser update. The compiled module shares
 the eager one's parameters, so the two alternate in blocks over the same batches and drift in the machine's speed hits
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import typer
 
-from bench.smart_step import scratch_run, timed_steps
+from bench.common import scratch_run, timed_steps
 from mtbert import io
 from mtbert.params import variant_params, with_changes
 from mtbert.runtime import setup_logging

@@ -1,7 +1,7 @@
 """Masked-LM pretraining steps with the encoder's own attention (`eager`) against PyTorch's fused attention
 (`sdpa`), alternating block by block over one run of the `pretrain` stage's own `train_step`.
 
-    python -m bench.pretrain_attention [--steps 48] [--block 4] [--json-out FILE]
+    python -m bench.probes.pretrain_attention [--steps 48] [--block 4] [--json-out FILE]
 
 Fine-tuning on a CPU switches to eager attention, because sdpa's CPU kernel has no dropout and trains
 through an unfused math path (mtbert/model/architectures.py `attention_for`). This probe asks the same
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import typer
 
-from bench.smart_step import alternate_blocks
+from bench.common import alternate_blocks
 from mtbert import io
 from mtbert.params import load_params
 from mtbert.runtime import setup_logging
