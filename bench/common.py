@@ -12,18 +12,20 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mtbert.training.build import FineTuning
-from mtbert.training.finetune import accumulate_gradients, start, update
-from mtbert.training.loop import Paths
-from mtbert.training.progress import Progress
+if TYPE_CHECKING:  # the training modules import torch: the server's helpers do without
+    from mtbert.training.build import FineTuning
+    from mtbert.training.progress import Progress
 
 
 # --- training steps ----------------------------------------------------------------------------------------
 def timed_steps(run: FineTuning, progress: Progress, steps: list[tuple[str, ...]]) -> list[float]:
     """Seconds of each of these steps: forward, backward and the optimiser update, as training runs them."""
+    from mtbert.training.finetune import accumulate_gradients, update
+
     seconds = []
     for tasks in steps:
         started = time.perf_counter()
@@ -37,6 +39,9 @@ def timed_steps(run: FineTuning, progress: Progress, steps: list[tuple[str, ...]
 def scratch_run(params, variant: str, tokenized_dir: Path, scratch: Path) -> tuple[FineTuning, Progress]:
     """The `train` stage's run of one variant, set up as the stage does, writing (if at all) only under
     `scratch`."""
+    from mtbert.training.finetune import start
+    from mtbert.training.loop import Paths
+
     paths = Paths(tokenized=tokenized_dir, model_out=scratch / "model", metrics_out=scratch / "metrics.json",
                   live_dir=scratch / "live", checkpoints=scratch / "checkpoints")
     return start(params, variant, paths)
