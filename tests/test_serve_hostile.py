@@ -114,17 +114,20 @@ def test_past_its_bounds_the_server_answers_429_at_once_with_retry_after(strict)
     with ThreadPoolExecutor(6) as pool:  # six at once against a bound of four: all arrive within one batch wait
         outcomes = list(pool.map(timed, range(6)))
     statuses = sorted(status for status, _ in outcomes)
-    assert statuses == [200, 200, 200, 200, 429, 429], outcomes
+    # four wait in the engine's batch for a second; the others, arriving meanwhile, are refused (a thread
+    # started late on a loaded machine may find a slot freed: at least one is refused)
+    assert set(statuses) == {200, 429} and statuses.count(200) >= 4, outcomes
     assert all(seconds < BATCH_WAIT_MS / 1000 for status, seconds in outcomes if status == 429), outcomes
 
 
 def test_a_bad_text_fails_only_its_own_request(strict):
-    """A lone surrogate (which JSON can carry, and no tokenizer can take) beside good requests in one batch."""
+    """A lone surrogate (which JSON can carry, and no tokenizer can take) beside good requests in one batch
+    (four at once: the server's bound)."""
     url, _ = strict
-    texts = ["A fine film.", "Dull.", "ok \ud800 there", "Witty.", "Long and slow."]
+    texts = ["A fine film.", "Dull.", "ok \ud800 there", "Witty."]
     with ThreadPoolExecutor(len(texts)) as pool:
         responses = list(pool.map(lambda text: post(url, [text]), texts))
-    assert [r.status_code for r in responses] == [200, 200, 422, 200, 200]
+    assert [r.status_code for r in responses] == [200, 200, 422, 200]
     assert responses[2].json() == {"error": "texts row 1: a text holds a lone surrogate (U+D800 at character 4), "
                                             "which is not a character; expected valid Unicode text"}
 
