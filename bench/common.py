@@ -150,12 +150,22 @@ def load_test(url: str, task: str, sentences: list[tuple[str, ...]], clients: in
             return time.perf_counter() - started
 
     wall = asyncio.run(run())
+    return {"clients": clients, "requests_per_client": requests, **load_summary(outcomes, wall, clients * requests)}
+
+
+SHED = ("429", "503")  # the statuses of requests the server refused to compute
+
+
+def load_summary(outcomes: list[tuple[str, float]], wall: float, sent: int) -> dict:
+    """What a load test's (outcome, seconds) pairs add up to: every outcome counted, the share shed, the
+    200s' p50 and p99 latency and rate, and the slowest answer of any outcome."""
     ok = [1000 * seconds for outcome, seconds in outcomes if outcome == "200"]
     counts = {outcome: sum(1 for o, _ in outcomes if o == outcome) for outcome in sorted({o for o, _ in outcomes})}
-    return {"clients": clients, "requests_per_client": requests, "sent": clients * requests,
-            "answered": counts, "accounted_for": sum(counts.values()) == clients * requests,
+    return {"sent": sent, "answered": counts, "accounted_for": sum(counts.values()) == sent,
+            "shed_share": round(sum(counts.get(status, 0) for status in SHED) / sent, 4),
             "latency_ms": {"p50": round(float(np.percentile(ok, 50)), 2) if ok else None,
                            "p99": round(float(np.percentile(ok, 99)), 2) if ok else None},
+            "slowest_answer_s": round(max((seconds for _, seconds in outcomes), default=0.0), 2),
             "requests_per_second": round(len(ok) / wall, 1), "seconds": round(wall, 2)}
 
 

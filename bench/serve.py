@@ -20,13 +20,11 @@ import asyncio
 import time
 from pathlib import Path
 
-import numpy as np
 import typer
 
-from bench.common import load_test, peak_rss_mib, start_server, stop_server
+from bench.common import load_summary, load_test, peak_rss_mib, start_server, stop_server
 
 app = typer.Typer(add_completion=False)
-SHED = ("429", "503")
 
 
 def overload(url: str, task: str, texts: list[str], connections: int, timeout: float) -> dict:
@@ -53,18 +51,7 @@ def overload(url: str, task: str, texts: list[str], connections: int, timeout: f
             return time.perf_counter() - started
 
     wall = asyncio.run(run())
-    return summary(outcomes, wall, sent=connections)
-
-
-def summary(outcomes: list[tuple[str, float]], wall: float, sent: int) -> dict:
-    ok = [1000 * seconds for outcome, seconds in outcomes if outcome == "200"]
-    counts = {outcome: sum(1 for o, _ in outcomes if o == outcome) for outcome in sorted({o for o, _ in outcomes})}
-    return {"sent": sent, "answered": counts, "accounted_for": sum(counts.values()) == sent,
-            "shed_share": round(sum(counts.get(status, 0) for status in SHED) / sent, 4),
-            "latency_ms": {"p50": round(float(np.percentile(ok, 50)), 1) if ok else None,
-                           "p99": round(float(np.percentile(ok, 99)), 1) if ok else None},
-            "slowest_answer_s": round(max(seconds for _, seconds in outcomes), 2),
-            "requests_per_second": round(len(ok) / wall, 1), "seconds": round(wall, 2)}
+    return load_summary(outcomes, wall, sent=connections)
 
 
 def first_answer_seconds(url: str, task: str, sentence: str, timeout: float = 60) -> tuple[float, int]:
@@ -94,9 +81,8 @@ def serve_figures(export_dir: Path, sentences: list[str], *, task: str = "sst", 
     try:
         figures["peak_rss_mib"]["idle"] = peak_rss_mib(process.pid)
         print(f"  normal: {clients} clients x {requests} one-sentence requests ...", flush=True)
-        normal = load_test(url, task, [(s,) for s in sentences], clients, requests, timeout=client_timeout)
-        shed = sum(normal["answered"].get(status, 0) for status in SHED)
-        figures["normal"] = {**normal, "shed_share": round(shed / normal["sent"], 4)}
+        figures["normal"] = load_test(url, task, [(s,) for s in sentences], clients, requests,
+                                      timeout=client_timeout)
         figures["peak_rss_mib"]["normal"] = peak_rss_mib(process.pid)
         print(f"  overload: {connections} connections at once, {texts} texts x {chars} characters each ...",
               flush=True)
