@@ -24,7 +24,7 @@ from mtbert import io
 from mtbert.params import SmartParams, variant_params, with_changes
 from mtbert.runtime import setup_logging
 from mtbert.training.build import FineTuning, schedule
-from mtbert.training.objective import Objective
+from mtbert.training.objective import make_objective
 from mtbert.training.progress import Progress
 
 TARGETS = {"smart": 2.5, "random": 2.0}  # step time over plain: SMART (K ascent steps) and random mode
@@ -33,7 +33,7 @@ app = typer.Typer(add_completion=False)
 
 def with_smart(run: FineTuning, smart: SmartParams) -> FineTuning:
     """The same run (model, data, optimiser) with the objective these smart.* settings choose."""
-    return dataclasses.replace(run, objective=Objective(run.model, smart, run.device, run.bf16, run.train.seed))
+    return dataclasses.replace(run, objective=make_objective(run.model, smart, run.device, run.bf16, run.train.seed))
 
 
 def smart_run(run: FineTuning, steps: int, mode: str = "adversarial") -> FineTuning:

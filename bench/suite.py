@@ -59,7 +59,7 @@ from mtbert.params import variant_params
 from mtbert.runtime import setup_logging
 from mtbert.training.build import FineTuning, schedule
 from mtbert.training.finetune import update
-from mtbert.training.objective import Objective
+from mtbert.training.objective import make_objective
 from mtbert.training.progress import Progress
 
 TARGETS = {"peer_speedup": 2.0, "train_speedup": 3.0, "peak_fraction": 0.40, "smart_ratio": 2.5,
@@ -122,7 +122,7 @@ class TrainConfig:
                  pad_length: int | None, bf16: bool, pad_multiple: int = 1):
         self.name, self.run, self.progress, self.pad_length, self.bf16 = name, run, progress, pad_length, bf16
         self.pad_multiple = pad_multiple
-        self.objective = Objective(run.model, run.params.smart, run.device, bf16, run.train.seed)
+        self.objective = make_objective(run.model, run.params.smart, run.device, bf16, run.train.seed)
         self.streams = {t: TaskStream(split.lengths(run.model.encoding(t)), run.train.batch_size[t],
                                       bucket_batches, run.train.seed, i)
                         for i, (t, split) in enumerate(run.train_data.items())}

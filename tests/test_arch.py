@@ -14,6 +14,7 @@ from mtbert.model.dropout import EAGER_ATTENTION
 from mtbert.model.multitask import MultitaskModel
 from mtbert.model.saved import ModelFolderError, load_model, save_model
 from mtbert.params import load_params, variant_params, with_changes
+from mtbert.training.losses import task_loss
 from mtbert.training.pcgrad import project_conflicts
 from tests.conftest import REPO_ROOT, TASKS, make_params
 
@@ -72,7 +73,7 @@ def test_cerbertus_task_layers_start_identical_and_diverge_after_one_task_steps(
     bottom = copy.deepcopy(towers["sst"].encoder.layer[0].state_dict())
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model.loss("sst", model("sst", batches["sst"]), batches["sst"]["labels"]).backward()
+    task_loss(TASKS["sst"], model.head_params["sst"])(model("sst", batches["sst"]), batches["sst"]).backward()
     optimizer.step()
 
     def changed(layer, old):

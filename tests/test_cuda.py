@@ -280,8 +280,9 @@ def test_a_non_finite_loss_in_a_replayed_step_stops_the_run_naming_it(tmp_path, 
     params = variant_params(captured_params(tmp_path, dropout_free_backbone), "base")
     params = params.model_copy(update={"runtime": with_changes(params.runtime, check_every=1)})
     run, progress = finetune.start(params, "base", stage_paths(tmp_path, tiny_tokenized))
-    poison, real_loss, real_step = torch.ones((), device="cuda"), run.model.loss, run.captured.step
-    monkeypatch.setattr(run.model, "loss", lambda task, outputs, labels: real_loss(task, outputs, labels) * poison)
+    poison, real_losses, real_step = torch.ones((), device="cuda"), dict(run.objective.losses), run.captured.step
+    monkeypatch.setattr(run.objective, "losses", {task: lambda outputs, batch, unit=unit: unit(outputs, batch) * poison
+                                                  for task, unit in real_losses.items()})
 
     def step(run, progress, tasks):
         if progress.step_in_epoch == 8:

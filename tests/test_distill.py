@@ -22,6 +22,7 @@ from mtbert.evaluation.teacher import ensemble_teacher
 from mtbert.params import HeadParams, ParamsError, parse_params
 from mtbert.runtime import MissingInputError, UserError
 from mtbert.training.distillation import Distillation
+from mtbert.training.losses import task_loss
 from tests.conftest import REPO_ROOT, TASKS, make_params
 
 HEADS = {"sst": HeadParams(), "qqp": HeadParams(encoding="cross", combine="features"),
@@ -75,7 +76,7 @@ def test_regression_blends_the_scores_and_ignores_the_temperature():
     F.mse_loss(expected, 0.25 * teacher + 0.75 * gold).backward()  # the same up to a constant
     assert torch.allclose(outputs.grad, expected.grad)
     unit = HeadParams(encoding="cross", combine="features", target="unit")
-    assert TASKS["sts"].kind.teacher_loss(torch.tensor([0.5]), torch.tensor([5.0]), 1.0, unit).item() == \
+    assert task_loss(TASKS["sts"], unit).taught(torch.tensor([0.5]), torch.tensor([5.0]), 1.0).item() == \
         pytest.approx(0.25)  # the teacher's 5 is 1 on the unit scale
 
 

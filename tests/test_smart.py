@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from mtbert.data.kinds import Binary, Classification, Regression
 from mtbert.model.multitask import MultitaskModel
 from mtbert.params import ParamsError, check_heads, load_params, with_changes
-from mtbert.training.objective import Objective
+from mtbert.training.losses import task_loss
+from mtbert.training.objective import Regularised, make_objective
 from mtbert.training.smart import EmaTeacher, Perturbation, RngReplay, Smart, ascent_step, project, token_norms
 from tests.conftest import REPO_ROOT, TASKS
 
@@ -193,7 +194,7 @@ def test_parameter_gradients_with_lambda_differ_from_lambda_zero(model, params, 
     def gradients(lambda_):
         model.zero_grad()
         torch.manual_seed(0)
-        objective = Objective(model, smart_params(params, lambda_=lambda_), CPU, bf16=False, seed=0)
+        objective = make_objective(model, smart_params(params, lambda_=lambda_), CPU, bf16=False, seed=0)
         objective(model, "sst", batches["sst"]).total.backward()
         return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
@@ -209,12 +210,12 @@ def test_per_task_lambda_overrides_the_global_one(params):
 
 def test_smart_off_consumes_no_extra_randomness(model, params, batches):
     """lambda = 0 and mu = 0: the objective is the task loss and the RNG stream is untouched."""
-    objective = Objective(model, smart_params(params, lambda_=0.0, mu=0.0), CPU, bf16=False, seed=0)
-    assert objective.smart is None and objective.teacher is None
+    objective = make_objective(model, smart_params(params, lambda_=0.0, mu=0.0), CPU, bf16=False, seed=0)
+    assert not isinstance(objective, Regularised)  # no regulariser built
     torch.manual_seed(0)
     result = objective(model, "sst", batches["sst"])
     torch.manual_seed(0)
-    expected = model.loss("sst", model("sst", batches["sst"]), batches["sst"]["labels"])
+    expected = task_loss(model.tasks["sst"], model.head_params["sst"])(model("sst", batches["sst"]), batches["sst"])
     assert torch.equal(result.total, expected) and result.smart_loss is None
 
 
@@ -255,14 +256,14 @@ def test_teacher_loss_follows_the_students_mode_and_divergence(model, batches):
 
 
 def test_teacher_equal_to_the_student_gives_zero_bregman_loss_with_dropout_on(model, params, batches):
-    objective = Objective(model, smart_params(params, lambda_=0.0, mu=1.0), CPU, bf16=False, seed=0)
+    objective = make_objective(model, smart_params(params, lambda_=0.0, mu=1.0), CPU, bf16=False, seed=0)
     result = objective(model, "qqp", batches["qqp"])
     assert result.bregman_loss == 0.0
 
 
 def test_teacher_and_noise_generator_round_trip_through_a_checkpoint(model, params, batches, tmp_path):
     p = smart_params(params, mu=1.0, beta=0.5)
-    objective = Objective(model, p, CPU, bf16=False, seed=0)
+    objective = make_objective(model, p, CPU, bf16=False, seed=0)
     objective(model, "sst", batches["sst"]).total.backward()
     with torch.no_grad():
         for parameter in model.parameters():
@@ -270,7 +271,7 @@ def test_teacher_and_noise_generator_round_trip_through_a_checkpoint(model, para
     objective.after_update(model)
     torch.save(objective.state_dict(), tmp_path / "objective.pt")  # as a checkpoint holds it
 
-    restored = Objective(model, p, CPU, bf16=False, seed=123)
+    restored = make_objective(model, p, CPU, bf16=False, seed=123)
     restored.load_state_dict(torch.load(tmp_path / "objective.pt", weights_only=True))
     saved, loaded = objective.teacher.model.state_dict(), restored.teacher.model.state_dict()
     assert all(torch.equal(saved[name], loaded[name]) for name in saved)
@@ -279,7 +280,7 @@ def test_teacher_and_noise_generator_round_trip_through_a_checkpoint(model, para
 
 @pytest.mark.parametrize("dropout", ["same", "off"])
 def test_zero_perturbation_gives_zero_smart_loss_under_either_dropout_choice(model, params, batches, dropout):
-    objective = Objective(model, smart_params(params, dropout=dropout, radius=0.0, mu=1.0), CPU,
+    objective = make_objective(model, smart_params(params, dropout=dropout, radius=0.0, mu=1.0), CPU,
                           bf16=False, seed=0)
     result = objective(model, "qqp", batches["qqp"])
     assert result.smart_loss == 0.0 and result.bregman_loss == 0.0
@@ -327,7 +328,7 @@ def test_radius_zero_gives_exactly_the_plain_gradients(model, params, batches, m
     def gradients(p, task):
         model.zero_grad()
         torch.manual_seed(0)
-        objective = Objective(model, p, CPU, bf16=False, seed=0)
+        objective = make_objective(model, p, CPU, bf16=False, seed=0)
         objective(model, task, batches[task]).total.backward()
         return torch.cat([q.grad.flatten() for q in model.parameters() if q.grad is not None])
 
@@ -346,7 +347,7 @@ def count_encoder_passes(model) -> list[int]:
 @pytest.mark.parametrize(("mode", "steps", "passes"), [("random", 1, 2), ("adversarial", 1, 3), ("adversarial", 2, 4)])
 def test_random_mode_runs_no_ascent_pass(model, params, batches, mode, steps, passes):
     """Clean pass + K ascent passes + the adversarial pass; random mode has no ascent pass."""
-    objective = Objective(model, smart_params(params, mode=mode, steps=steps, radius=0.1), CPU, bf16=False, seed=0)
+    objective = make_objective(model, smart_params(params, mode=mode, steps=steps, radius=0.1), CPU, bf16=False, seed=0)
     calls = count_encoder_passes(model)
     objective(model, "sst", batches["sst"]).total.backward()
     assert calls[0] == passes

@@ -31,6 +31,7 @@ from mtbert.params import (
     parse_section,
     with_changes,
 )
+from mtbert.training.losses import BinaryCrossEntropy, CrossEntropy, SquaredError, task_loss
 from tests.conftest import REPO_ROOT, TASKS
 
 RAW = HeadParams(pooling="cls", hidden_layers=0, dropout=0.0, loss_weight=1.0, encoding="cross", combine="features",
@@ -110,7 +111,7 @@ def test_classification_loss_predictions_and_divergence():
     kind = Classification(5)
     logits, labels = torch.randn(6, 5) * 3, torch.tensor([0, 1, 2, 3, 4, 4])
     assert torch.equal(kind.head_output(logits, RAW, False), logits)  # (B, C) stay as they are
-    torch.testing.assert_close(kind.loss(logits, labels, None), F.cross_entropy(logits, labels))
+    torch.testing.assert_close(CrossEntropy().gold(logits, labels), F.cross_entropy(logits, labels))
     torch.testing.assert_close(kind.predictions(logits, None), torch.softmax(logits, -1))
     other = torch.randn(6, 5) * 3
     divergence = kind.divergence(logits, other)
@@ -127,8 +128,8 @@ def test_binary_loss_predictions_and_divergence():
     assert kind.head_output(torch.ones(4, 1), RAW, False).shape == (4,)
     logits, labels = torch.randn(8) * 3, torch.tensor([1, 0, 1, 1, 0, 0, 1, 0])
     expected_loss = -(labels * F.logsigmoid(logits) + (1 - labels) * F.logsigmoid(-logits)).mean()
-    torch.testing.assert_close(kind.loss(logits, labels, None), expected_loss)
-    torch.testing.assert_close(kind.loss(logits, labels, None),
+    torch.testing.assert_close(BinaryCrossEntropy().gold(logits, labels), expected_loss)
+    torch.testing.assert_close(BinaryCrossEntropy().gold(logits, labels),
                                F.binary_cross_entropy_with_logits(logits, labels.float()))
     torch.testing.assert_close(kind.predictions(logits, None), 1 / (1 + torch.exp(-logits)))
     other = torch.randn(8) * 3
@@ -143,10 +144,11 @@ def test_binary_loss_predictions_and_divergence():
 def test_regression_loss_on_the_raw_and_the_unit_target():
     kind = Regression(1.0, 7.0)
     outputs, labels = torch.tensor([0.5, 0.25, 0.9]), torch.tensor([4.0, 1.0, 7.0])
-    torch.testing.assert_close(kind.loss(outputs, labels, RAW), F.mse_loss(outputs, labels))
+    raw_loss, unit_loss = SquaredError(1.0, 7.0, unit=False), SquaredError(1.0, 7.0, unit=True)
+    torch.testing.assert_close(raw_loss.gold(outputs, labels), F.mse_loss(outputs, labels))
     unit_target = (labels - 1.0) / (7.0 - 1.0)  # [0.5, 0, 1]
-    torch.testing.assert_close(kind.loss(outputs, labels, UNIT), F.mse_loss(outputs, unit_target))
-    torch.testing.assert_close(kind.loss(outputs, labels, UNIT), torch.tensor((0.0 + 0.25 ** 2 + 0.1 ** 2) / 3))
+    torch.testing.assert_close(unit_loss.gold(outputs, labels), F.mse_loss(outputs, unit_target))
+    torch.testing.assert_close(unit_loss.gold(outputs, labels), torch.tensor((0.0 + 0.25 ** 2 + 0.1 ** 2) / 3))
     assert torch.equal(kind.predictions(outputs, RAW), outputs)
     torch.testing.assert_close(kind.predictions(outputs, UNIT), torch.tensor([4.0, 2.5, 6.4]))
     # the head's raw output: through a sigmoid for the unit target, as it is for the raw one
@@ -256,7 +258,7 @@ def test_a_three_class_task_gets_a_three_way_head(tiny_backbone, tokenizer):
         out = model("emo", dict(batch))
     labels = torch.tensor([2, 1])
     assert out.shape == (2, 3) and model.encoding("emo") == "cross"
-    torch.testing.assert_close(model.loss("emo", out, labels), F.cross_entropy(out, labels))
+    torch.testing.assert_close(task_loss(THREE, head)(out, {"labels": labels}), F.cross_entropy(out, labels))
     torch.testing.assert_close(model.predictions("emo", out).sum(-1), torch.ones(2))
 
 

@@ -68,16 +68,18 @@ def test_non_finite_loss_stops_naming_step_and_task(tmp_path, training_params, t
     paths = Paths(tokenized=tiny_tokenized, model_out=tmp_path / "m", metrics_out=tmp_path / "m.json",
                   live_dir=tmp_path / "live", checkpoints=tmp_path / "ck")
     prepared_run = prepared(params, paths)
-    model = prepared_run.run.model
-    real_loss = model.loss
+    objective = prepared_run.run.objective
+    real_losses = dict(objective.losses)
     calls = {"n": 0}
 
-    def poisoned_loss(task, outputs, labels):
-        calls["n"] += 1
-        loss = real_loss(task, outputs, labels)
-        return loss * float("nan") if calls["n"] == 5 else loss
+    def poisoned(task):
+        def loss(outputs, batch):
+            calls["n"] += 1
+            value = real_losses[task](outputs, batch)
+            return value * float("nan") if calls["n"] == 5 else value
+        return loss
 
-    monkeypatch.setattr(model, "loss", poisoned_loss)
+    monkeypatch.setattr(objective, "losses", {task: poisoned(task) for task in real_losses})
     with pytest.raises(TrainingError, match=r"non-finite (sst|qqp|sts) loss \(nan\) at epoch 1 step 5"):
         prepared_run.train()
     saved = torch.load(tmp_path / "ck" / "last.pt", weights_only=False)

@@ -1,18 +1,15 @@
-"""What a task's kind decides: its labels, output size, loss, predictions, divergence, metrics and dumps.
+"""What a task's kind decides: its labels, output size, predictions, divergence, metrics and dumps (its loss:
+mtbert/training/losses.py, one unit per kind).
 
 Every task-specific behaviour of the pipeline dispatches here, on the kind a task declares in
 params.yaml (`tasks.<name>.kind`), never on the task's name:
 
-- classification (C classes): label a class id 0..C-1; C logits, C probabilities; cross-entropy; SMART's
-  divergence the symmetric KL of the softmaxes; accuracy and macro-F1; a confusion-matrix plot.
-- binary: label 0 or 1; one logit, P(label 1); BCE with logits; the symmetric KL of the Bernoullis;
-  accuracy and F1; a confusion-matrix plot.
-- regression (a range [lo, hi]): label a number in it; one score; MSE; the squared error; Pearson and
-  Spearman; a predicted-vs-gold scatter.
-
-A distilled student (mtbert/training/distillation.py) also learns from a teacher's predictions, by kind:
-the cross-entropy against the teacher's class probabilities or P(label 1) at a temperature T (times T^2),
-or the squared error against its score.
+- classification (C classes): label a class id 0..C-1; C logits, C probabilities; SMART's divergence the
+  symmetric KL of the softmaxes; accuracy and macro-F1; a confusion-matrix plot.
+- binary: label 0 or 1; one logit, P(label 1); the symmetric KL of the Bernoullis; accuracy and F1; a
+  confusion-matrix plot.
+- regression (a range [lo, hi]): label a number in it; one score; the squared error; Pearson and Spearman;
+  a predicted-vs-gold scatter.
 
 A regression head regresses on the label itself (`target: raw`) or on (label - lo) / (hi - lo) through a
 sigmoid (`target: unit`).
@@ -63,19 +60,12 @@ class Kind:
         """A head's raw (B, output_size) output in loss space."""
         return out.squeeze(-1)
 
-    def loss(self, outputs: torch.Tensor, labels: torch.Tensor, head) -> torch.Tensor:
-        raise NotImplementedError
-
     def predictions(self, outputs: torch.Tensor, head) -> torch.Tensor:
         """Loss space to user-facing values."""
         raise NotImplementedError
 
     def divergence(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """SMART's l_s between two outputs in loss space, one value per example: (B,)."""
-        raise NotImplementedError
-
-    def teacher_loss(self, outputs: torch.Tensor, teacher: torch.Tensor, temperature: float, head) -> torch.Tensor:
-        """Batch-mean loss against a teacher's predictions (user-facing values, as the dumps hold them)."""
         raise NotImplementedError
 
     # --- predictions as arrays ---
@@ -113,9 +103,6 @@ class Classification(Kind):
     def head_output(self, out: torch.Tensor, head, is_cosine: bool) -> torch.Tensor:
         return out
 
-    def loss(self, outputs, labels, head):
-        return F.cross_entropy(outputs.float(), labels.long())
-
     def predictions(self, outputs, head):
         return outputs.float().softmax(-1)
 
@@ -123,13 +110,6 @@ class Classification(Kind):
         """KL(p||q) + KL(q||p) = sum_c (p_c - q_c)(log p_c - log q_c) for p, q = softmax of (B, C) logits."""
         log_p, log_q = F.log_softmax(a.float(), -1), F.log_softmax(b.float(), -1)
         return ((log_p.exp() - log_q.exp()) * (log_p - log_q)).sum(-1)
-
-    def teacher_loss(self, outputs, teacher, temperature, head):
-        """Cross-entropy of the student's softmax at T against the teacher's probabilities at T (the softmax of
-        their logs over T: for one teacher, of its logits over T), times T^2, which keeps the gradient's size
-        whatever T (Hinton et al. 2015)."""
-        soft = F.softmax(teacher.float().clamp(min=1e-12).log() / temperature, -1)
-        return F.cross_entropy(outputs.float() / temperature, soft) * temperature ** 2
 
     def metrics(self, values, labels):
         predicted = values.argmax(-1)
@@ -159,9 +139,6 @@ class Binary(Kind):
     def label_domain(self) -> tuple[float, float, bool]:
         return 0, 1, True
 
-    def loss(self, outputs, labels, head):
-        return F.binary_cross_entropy_with_logits(outputs.float(), labels.float())
-
     def predictions(self, outputs, head):
         return torch.sigmoid(outputs.float())
 
@@ -169,12 +146,6 @@ class Binary(Kind):
         """KL + reverse KL of Bernoulli(sigmoid(a)) and Bernoulli(sigmoid(b)); it reduces to (p - q)(a - b)."""
         a, b = a.float(), b.float()
         return (torch.sigmoid(a) - torch.sigmoid(b)) * (a - b)
-
-    def teacher_loss(self, outputs, teacher, temperature, head):
-        """As for classification, with the two classes of a Bernoulli: BCE of the student's logit over T against
-        sigmoid(logit(p_teacher) / T), times T^2."""
-        soft = torch.sigmoid(torch.logit(teacher.float(), eps=1e-7) / temperature)
-        return F.binary_cross_entropy_with_logits(outputs.float() / temperature, soft) * temperature ** 2
 
     def metrics(self, values, labels):
         predicted = values >= 0.5
@@ -228,17 +199,9 @@ class Regression(Kind):
             return out if is_cosine else torch.sigmoid(out)
         return self.low + (self.high - self.low) * out if is_cosine else out
 
-    def loss(self, outputs, labels, head):
-        target = (labels.float() - self.low) / (self.high - self.low) if self._unit(head) else labels.float()
-        return F.mse_loss(outputs.float(), target)
-
     def predictions(self, outputs, head):
         outputs = outputs.float()
         return outputs * (self.high - self.low) + self.low if self._unit(head) else outputs
-
-    def teacher_loss(self, outputs, teacher, temperature, head):
-        """The squared error against the teacher's score, on the head's target scale (no temperature)."""
-        return self.loss(outputs, teacher, head)
 
     def divergence(self, a, b):
         if a.shape != b.shape:

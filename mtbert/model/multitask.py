@@ -1,4 +1,5 @@
-"""One encoder (or one per task, by arch), one head per declared task; losses and predictions by task kind."""
+"""One encoder (or one per task, by arch), one head per declared task; predictions by task kind (the losses:
+mtbert/training/losses.py)."""
 
 from __future__ import annotations
 
@@ -111,10 +112,6 @@ class MultitaskModel(nn.Module):
                           F.pad(batch["attention_mask_2"], (0, width - ids_2.shape[1]))])
         pooled = self.embed(task, ids, mask, pooling)
         return pooled[: len(ids_1)], pooled[len(ids_1):]
-
-    def loss(self, task: str, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Batch-mean loss of the task's kind (cross-entropy, BCE with logits or MSE)."""
-        return self.tasks[task].kind.loss(outputs, labels, self.head_params[task])
 
     def predictions(self, task: str, outputs: torch.Tensor) -> torch.Tensor:
         """User-facing, by kind: class probabilities (B, C), P(label 1) (B,), or the score (B,)."""

@@ -1,11 +1,14 @@
 """A fine-tuning run built: `FineTuning` (what the loop works with) and `prepare`, which builds it from the
-params; the epoch's schedule of steps; the run's fingerprint, which a checkpoint must match to be resumed."""
+params, adding to the step the pieces its params ask for (`Hooks`); the epoch's schedule of steps; the run's
+fingerprint, which a checkpoint must match to be resumed."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +20,14 @@ from mtbert.data.tasks import Task, tasks_from_params
 from mtbert.model.backbone import load_encoder, load_tokenizer, starting_point
 from mtbert.model.multitask import MultitaskModel
 from mtbert.params import Params, TrainParams, as_dict
+from mtbert.rng import PCGRAD_ORDER, generator
 from mtbert.runtime import use_bf16
 from mtbert.training.averaging import MovingAverage, NoAverage, weight_average
 from mtbert.training.capture import CapturedSteps, captured_steps
 from mtbert.training.distillation import Distillation
-from mtbert.training.distributed import Ranks, sync_parameters
+from mtbert.training.distributed import Ranks, average_gradients, sync_parameters
 from mtbert.training.loop import FiniteWatch, Paths, Stopwatch, fingerprint, trainable
-from mtbert.training.objective import Objective, gold_loss
+from mtbert.training.objective import Objective, Regularised, kind_losses, make_objective
 from mtbert.training.optim import make_optimizer
 from mtbert.training.pcgrad import PCGrad
 
@@ -32,6 +36,18 @@ log = logging.getLogger("train")
 
 # Sections that do not change what `train` computes: left out of the run's fingerprint and mtbert.json.
 NOT_TRAINING = ("models", "runtime", "predict", "ensemble", "stats")
+
+
+@dataclasses.dataclass
+class Hooks:
+    """What `prepare` adds to the step when the params ask for it. By default the step is each piece's
+    `loss.backward()`, then clipping, AdamW and the LR schedule, then the weights' moving average."""
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward  # PCGrad: each task's gradient kept apart
+    after_task: list[Callable[[], None]] = dataclasses.field(default_factory=list)  # PCGrad: a task's set aside
+    after_step: list[Callable] = dataclasses.field(default_factory=list)  # PCGrad: (progress) -> projected into .grad
+    before_update: list[Callable[[], None]] = dataclasses.field(default_factory=list)  # ranks > 1: .grad averaged
+    after_update: list[Callable[[torch.nn.Module], None]] = dataclasses.field(default_factory=list)  # the teacher
+    # (smart.mu), the moving average (train.ema)
 
 
 @dataclasses.dataclass
@@ -55,8 +71,8 @@ class FineTuning:
     streams: dict[str, TaskStream]
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    objective: Objective
-    pcgrad: PCGrad | None  # train.gradient pcgrad: the step's gradients kept per task, then projected
+    objective: Objective  # the task losses, weighted; with smart.lambda or smart.mu, their terms added
+    hooks: Hooks  # what the params add to the step (PCGrad, several ranks, the teacher, the moving average)
     average: MovingAverage | NoAverage
     steps_per_epoch: int
     stopwatch: Stopwatch
@@ -114,16 +130,32 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
     steps = len(epoch_schedule_for(p, train_data, streams, 0))
     optimizer, scheduler = make_optimizer(model, model.encoder.config.num_hidden_layers, p,
                                           math.ceil(steps / p.grad_accum) * p.epochs)
-    objective = Objective(model, params.smart, device, bf16, p.seed,
-                          distillation.loss if distillation is not None else gold_loss)
-    # after the optimiser froze the LR-0 parameters
-    pcgrad = PCGrad(trainable(model), ranks, device) if p.gradient == "pcgrad" else None
+    losses = kind_losses(model) if distillation is None else distillation.losses(kind_losses(model))
+    objective = make_objective(model, params.smart, device, bf16, p.seed, losses)
     run = FineTuning(params, variant, paths, fingerprint, ranks, device, bf16, tasks, load_tokenizer(start), model,
                      train_data, dev_data, snapshot_data, row_lengths, streams, optimizer, scheduler, objective,
-                     pcgrad, average, steps, Stopwatch(),
+                     step_hooks(p, model, ranks, device, objective, average), average, steps, Stopwatch(),
                      FiniteWatch(paths.checkpoints, "Lower train.lr or turn off train.bf16."))
     run.captured = captured_steps(run)
     return run
+
+
+def step_hooks(p: TrainParams, model: MultitaskModel, ranks: Ranks, device: torch.device, objective: Objective,
+               average: MovingAverage | NoAverage) -> Hooks:
+    """The pieces the params add to the default step. Built after the optimiser froze the LR-0 parameters."""
+    hooks = Hooks()
+    if p.gradient == "pcgrad":  # PCGrad averages each task's gradient over the ranks itself
+        pcgrad = PCGrad(trainable(model), ranks, device)
+        hooks.backward, hooks.after_task = pcgrad.backward, [pcgrad.end_task]
+        hooks.after_step = [lambda progress: pcgrad.end_step(
+            generator(p.seed, PCGRAD_ORDER, progress.epoch, progress.step_in_epoch))]
+    elif ranks.distributed:
+        hooks.before_update = [functools.partial(average_gradients, trainable(model), ranks)]
+    if isinstance(objective, Regularised) and objective.teacher is not None:  # it follows the weights
+        hooks.after_update.append(objective.after_update)
+    if p.ema > 0:
+        hooks.after_update.append(average.update)
+    return hooks
 
 
 def snapshot_splits(p: TrainParams, tokenized: Path, task: Task, dev: TaskSplit) -> dict[str, TaskSplit]:

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 from mtbert.data.batches import micro_batches, on_device, padding_free_tokens
 from mtbert.training.distributed import shard
-from mtbert.training.objective import BatchLoss, gold_loss
+from mtbert.training.losses import Distilled
+from mtbert.training.objective import BatchLoss, Regularised
 
 log = logging.getLogger("train")
 
@@ -51,11 +52,11 @@ def capture_blocker(run) -> str | None:
     """Why this run's step cannot be captured, or None when it can."""
     if run.train.grad_accum > 1:
         return "train.grad_accum > 1 updates only every few steps"
-    if run.pcgrad is not None:
+    if run.train.gradient == "pcgrad":
         return "PCGrad (train.gradient: pcgrad) projects the tasks' gradients on the host"
-    if run.objective.terms:
+    if isinstance(run.objective, Regularised):
         return "SMART and the Bregman teacher (smart.lambda, smart.mu) read figures off the device"
-    if run.objective.task_loss is not gold_loss:
+    if any(isinstance(loss, Distilled) for loss in run.objective.losses.values()):
         return "distillation splits a batch by its rows' gold labels"
     if run.ranks.world_size > 1:
         return "several ranks all-reduce their gradients between backward and update"
@@ -104,9 +105,10 @@ class CapturedSteps:
         run.objective.autocast_cache = False  # a graph must not hold casts cached by another step's pass
         self.lrs: torch.Tensor | None = None  # every group's lr, on the device (`_put_lr_on_device`)
 
-    def step(self, run, progress, tasks: tuple[str, ...]) -> None:
+    def step(self, run, progress, tasks: tuple[str, ...], ends_update: bool = True) -> None:
         """One whole step (its batches, forward, loss, backward, clipping, AdamW, the moving average), then
-        the LR schedule's step; the step's losses and counts added to the epoch's totals."""
+        the LR schedule's step; the step's losses and counts added to the epoch's totals. Every step ends an
+        update (`ends_update`): a captured run has train.grad_accum 1."""
         self._put_lr_on_device(run)
         pieces = []
         for task in tasks:

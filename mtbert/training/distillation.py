@@ -4,20 +4,10 @@ Multi-Task Deep Neural Networks via Knowledge Distillation for Natural Language 
 
 The student runs the fine-tuning loop (mtbert/training/finetune.py, `fine_tune(..., distillation)`) as
 it is; `prepare` (training/build.py) takes the `Distillation` and changes two things: each training row
-carries the teacher's prediction (`TaughtSplit`), and the objective's task loss is `Distillation.loss`,
-per batch
-
-    alpha * teacher_loss(outputs, teacher, T) + (1 - alpha) * loss(outputs, gold labels)
-
-and, with a transfer set (mtbert/data/transfer.py), its rows join the training split with the teacher's
-prediction and no gold label: their loss is transfer_weight * teacher_loss, and a batch's loss is the mean over
-its rows of either kind.
-
-with the teacher's loss by task kind (mtbert/data/kinds.py): the cross-entropy against the teacher's
-class probabilities (or P(label 1)) at temperature T, times T^2, or the squared error against its score.
-With T = 1 the classification loss is exactly the cross-entropy against the blended targets
-alpha * teacher + (1 - alpha) * one-hot, and for scores the squared error against the blended score up to
-a constant. Where the teacher's predictions come from: mtbert/evaluation/teacher.py.
+carries the teacher's prediction (`TaughtSplit`), and each task's loss is its kind's unit blended with the
+teacher's (`Distilled`, beside the units in mtbert/training/losses.py, whose docstring gives the formulas).
+With a transfer set (mtbert/data/transfer.py), its rows join the training split with the teacher's
+prediction and no gold label. Where the teacher's predictions come from: mtbert/evaluation/teacher.py.
 """
 
 from __future__ import annotations
@@ -31,6 +21,7 @@ import torch
 
 from mtbert.data.batches import TaskSplit, TokenColumn
 from mtbert.runtime import UserError
+from mtbert.training.losses import Distilled, KindLoss, task_loss
 
 
 @dataclasses.dataclass
@@ -86,24 +77,14 @@ class Distillation:
             gold = np.concatenate([gold, np.zeros(len(rows), dtype=bool)])
         return TaughtSplit(**fields, teacher=teacher, gold=gold)
 
-    def loss(self, model, task: str, outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The batch-mean of each row's loss (an Objective's task loss): a training row's blends the teacher's
-        loss and the gold label's, a transfer row's is transfer_weight x the teacher's."""
-        kind, head = model.tasks[task].kind, model.head_params[task]
-        gold = batch.get("gold")  # only in a batch with transfer rows
-        if gold is None or bool(gold.all()):
-            return self.blend(kind, head, outputs, batch["teacher"], batch["labels"])
-        share = gold.float().mean()  # each part's mean, weighted by its share of the batch's rows
-        taught = kind.teacher_loss(outputs[~gold], batch["teacher"][~gold], self.temperature, head)
-        loss = (1 - share) * self.transfer_weight * taught
-        if bool(gold.any()):
-            loss = loss + share * self.blend(kind, head, outputs[gold], batch["teacher"][gold], batch["labels"][gold])
-        return loss
+    def losses(self, units: dict[str, KindLoss]) -> dict[str, Distilled]:
+        """Each task's loss unit blended with this teacher (training/losses.py, `Distilled`)."""
+        return {task: Distilled(unit, self.alpha, self.temperature, self.transfer_weight)
+                for task, unit in units.items()}
 
-    def blend(self, kind, head, outputs: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """alpha x the teacher's loss + (1 - alpha) x the gold labels', each a mean over the rows."""
-        taught = kind.teacher_loss(outputs, teacher, self.temperature, head)
-        return self.alpha * taught + (1 - self.alpha) * kind.loss(outputs, labels, head)
+    def loss(self, model, task: str, outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The student's batch-mean loss of one task's outputs."""
+        return self.losses({task: task_loss(model.tasks[task], model.head_params[task])})[task](outputs, batch)
 
     def fingerprint(self, run_fingerprint: str) -> str:
         """The run's fingerprint (params and data) with the teacher and the blend, so a checkpoint of another

@@ -5,33 +5,35 @@ Read it top to bottom, as the `train` and `distill` stages call it (`fine_tune`)
     run, progress = start(params, variant, paths)  # the process set up; model, data, optimiser; resumed
     summary = train(run, progress)                 # the loop
 
-`train` runs, per epoch, the sampler's schedule of steps. `accumulate_gradients` is one step: its batches,
-forward, loss and backward, the gradients adding up in `.grad`. `update` is one optimiser update (the ranks'
-average, clipping, AdamW, the LR schedule, the moving average), every train.grad_accum steps. The rest, by job:
+`train` runs, per epoch, the sampler's schedule of steps (`train_epoch`). The default step reads top to
+bottom below: `accumulate_gradients` (each task's batch in pieces: forward and loss, training/objective.py and
+training/losses.py; backward), then every train.grad_accum steps `update` (clipping, AdamW, the LR schedule,
+the weights' moving average). What the params add to it, the step calls without choosing: `run.hooks`
+(training/build.py's `step_hooks`: PCGrad, several ranks' averaging, the Bregman teacher) and the objective's
+SMART terms (training/objective.py's `Regularised`). The rest, by job:
 - training/build.py: `FineTuning` (what the loop works with), `prepare`, the schedule, the fingerprint;
 - training/progress.py: `Progress` (counters, running sums, history) and the checkpoint a killed run
   resumes from (`checkpoint`, `resume`);
 - training/epoch_end.py: the dev evaluation, snapshot dumps, the epoch's record, the model saved aside;
 - training/publish.py: the summary, the model folder and the published dumps;
-- training/objective.py (task loss, SMART, the Bregman teacher), training/pcgrad.py (`train.gradient:
-  pcgrad`), training/averaging.py (the weights' moving average, `train.ema`).
+- training/capture.py: the step as CUDA graphs on a GPU (runtime.capture.cuda).
 """
 
 from __future__ import annotations
 
 import logging
 
+import torch
 from tqdm.auto import tqdm
 
 from mtbert.data.batches import micro_batches, on_device, padding_free_tokens
 from mtbert.params import Params
-from mtbert.rng import PCGRAD_ORDER, generator
 from mtbert.runtime import limit_memory_growth, open_live
 from mtbert.training.build import FineTuning, prepare, run_fingerprint, schedule
 from mtbert.training.distillation import Distillation
-from mtbert.training.distributed import average_gradients, setup_process, shard, shutdown
+from mtbert.training.distributed import setup_process, shard, shutdown
 from mtbert.training.epoch_end import end_epoch, log_epoch
-from mtbert.training.loop import Paths, clip_and_step, finish, trainable
+from mtbert.training.loop import Paths, finish
 from mtbert.training.progress import Progress, checkpoint, resume
 from mtbert.training.publish import parameter_count, publish, summary
 
@@ -81,6 +83,7 @@ def train_epoch(run: FineTuning, progress: Progress) -> None:
     """The epoch's steps from wherever `progress` is: an update every grad_accum steps, a checkpoint every
     runtime.checkpoint_every.train updates (the epoch's end has its own, after the dev evaluation)."""
     epoch_steps = schedule(run, progress.epoch)
+    step = run.captured.step if run.captured is not None else eager_step  # chosen once, outside the step
     run.model.train()
     # a context, so that an error closes the bar first and the error's one line does not run into it
     with tqdm(total=len(epoch_steps), initial=progress.step_in_epoch, desc=f"epoch {progress.epoch + 1}",
@@ -88,19 +91,14 @@ def train_epoch(run: FineTuning, progress: Progress) -> None:
         run.stopwatch.start()
         while progress.step_in_epoch < len(epoch_steps):
             tasks, updates = epoch_steps[progress.step_in_epoch], progress.updates
-            if run.captured is not None:  # the step and its update, one CUDA graph replayed
-                run.captured.step(run, progress, tasks)
-            else:
-                accumulate_gradients(run, progress, tasks)
+            last = progress.step_in_epoch + 1 == len(epoch_steps)
+            step(run, progress, tasks, ends_update=last or (progress.step_in_epoch + 1) % run.train.grad_accum == 0)
             progress.step_in_epoch += 1
             bar.update(1)
             if progress.step_in_epoch % run.params.runtime.check_every == 0:
                 run.finite.check()  # the host's one wait for the device in these steps
-            if run.captured is None and (progress.step_in_epoch % run.train.grad_accum == 0
-                                         or progress.step_in_epoch == len(epoch_steps)):
-                update(run, progress)
-            if (progress.updates > updates and progress.updates % run.params.runtime.checkpoint_every.train == 0
-                    and progress.step_in_epoch < len(epoch_steps)):
+            if progress.updates > updates and progress.updates % run.params.runtime.checkpoint_every.train == 0 \
+                    and not last:
                 run.finite.check()  # never a checkpoint of spoiled weights
                 checkpoint(run, progress)
         run.finite.check()
@@ -109,11 +107,16 @@ def train_epoch(run: FineTuning, progress: Progress) -> None:
         log.info("epoch %d: %s", progress.epoch + 1, run.captured.summary())
 
 
+def eager_step(run: FineTuning, progress: Progress, tasks: tuple[str, ...], ends_update: bool) -> None:
+    accumulate_gradients(run, progress, tasks)
+    if ends_update:
+        update(run, progress)
+
+
 def accumulate_gradients(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> None:
     """One step's gradients: for each task, its next batch (this rank's share) in pieces, forward, loss,
     backward. Each piece's loss is scaled by its share of the global batch and by 1 / grad_accum, so the
-    gradients summed over pieces, ranks and accumulated steps are the global batch's mean. With PCGrad each
-    task's gradient is kept apart, and the step's end removes their conflicts."""
+    gradients summed over pieces, ranks and accumulated steps are the global batch's mean."""
     for task in tasks:
         global_rows = run.streams[task].next()  # the same on every rank
         rows, encoding = shard(global_rows, run.ranks), run.model.encoding(task)
@@ -121,29 +124,29 @@ def accumulate_gradients(run: FineTuning, progress: Progress, tasks: tuple[str, 
             batch = run.train_data[task].batch(piece, encoding, run.pad_multiple)
             tokens = padding_free_tokens(batch)  # counted on the host, before the copy
             batch = on_device(batch, run.device)
-            loss = run.objective(run.model, task, batch)  # the task's loss plus each regulariser's, weighted
+            loss = run.objective(run.model, task, batch)  # the task's loss (plus SMART's terms), weighted
             run.finite.add(loss.total, f"{task} loss",
                            f"at epoch {progress.epoch + 1} step {progress.step_in_epoch + 1}")
             progress.totals.add(task, len(piece), tokens, loss, weight=len(piece) / len(rows))
             share = len(piece) * run.ranks.world_size / len(global_rows)  # of the global batch
-            if run.pcgrad is None:
-                (loss.total * share / run.train.grad_accum).backward()  # frees the piece's activations
-            else:
-                run.pcgrad.backward(loss.total * share / run.train.grad_accum)
-        if len(rows):
-            progress.totals.batches[task] += 1
-        if run.pcgrad is not None:
-            run.pcgrad.end_task()
-    if run.pcgrad is not None:
-        run.pcgrad.end_step(generator(run.train.seed, PCGRAD_ORDER, progress.epoch, progress.step_in_epoch))
+            run.hooks.backward(loss.total * share / run.train.grad_accum)  # frees the piece's activations
+        progress.totals.batches[task] += bool(len(rows))
+        for hook in run.hooks.after_task:
+            hook()
+    for hook in run.hooks.after_step:
+        hook(progress)
 
 
 def update(run: FineTuning, progress: Progress) -> None:
-    """One optimiser update: the gradients averaged over the ranks, clipped, AdamW and the LR schedule's
-    step; then what follows the weights: SMART's Bregman teacher and the weights' moving average."""
-    if run.pcgrad is None:  # PCGrad averaged each task's gradient over the ranks already
-        average_gradients(trainable(run.model), run.ranks)
-    clip_and_step(run.model, run.optimizer, run.scheduler, run.train.grad_clip)
-    run.objective.after_update(run.model)  # the Bregman teacher (smart.mu > 0)
-    run.average.update(run.model)  # the moving average (train.ema > 0)
+    """One optimiser update: the gradients clipped to a global norm, AdamW and the LR schedule's step, then
+    what follows the weights (by default the moving average)."""
+    for hook in run.hooks.before_update:
+        hook()
+    if run.train.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.train.grad_clip)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    for hook in run.hooks.after_update:
+        hook(run.model)
     progress.updates += 1

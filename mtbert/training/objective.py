@@ -1,10 +1,11 @@
-"""The training objective of one task batch: the task loss plus the regularisers chosen for the run.
+"""The training objective of one task batch: the forward pass under autocast, and the task's loss times its
+loss_weight (`Objective`); with SMART or the Bregman teacher on, their terms added (`Regularised`).
 
-total = loss_weight * (task loss + sum over terms of weight(task) * term), the terms being SMART's
-adversarial term (weight lambda of the task) and the Bregman teacher's (weight mu). The terms are chosen
-once, from smart.*: with smart.lambda = 0 (and no task override above 0) and smart.mu = 0 there are none,
-and nothing beyond the task loss is computed. The task loss is the gold labels' (`gold_loss`), or for a
-distilled student its blend with the teacher's (mtbert/training/distillation.py).
+Regularised: total = loss_weight * (task loss + sum over terms of weight(task) * term), the terms being SMART's
+adversarial term (weight lambda of the task) and the Bregman teacher's (weight mu). `make_objective` picks
+the class once, from smart.*: with smart.lambda = 0 (and no task override above 0) and smart.mu = 0 it is the
+plain `Objective`, which computes nothing beyond the task loss. The task loss is the task kind's unit
+(mtbert/training/losses.py), or for a distilled student its blend with the teacher's.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from mtbert.model.multitask import MultitaskModel
 from mtbert.params import SmartParams
+from mtbert.training.losses import KindLoss, task_loss
 from mtbert.training.smart import EmaTeacher, Forward, RngReplay, Smart, dropout_off
 
 
@@ -82,23 +84,18 @@ class BregmanTerm:
         self.teacher.load_state_dict(state)
 
 
-def gold_loss(model: MultitaskModel, task: str, outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The task's loss against the gold labels (cross-entropy, BCE with logits or MSE, by kind)."""
-    return model.loss(task, outputs, batch["labels"])
+def kind_losses(model: MultitaskModel) -> dict[str, KindLoss]:
+    """Each task's loss against its gold labels: its kind's unit (training/losses.py)."""
+    return {name: task_loss(task, model.head_params[name]) for name, task in model.tasks.items()}
 
 
 class Objective:
-    def __init__(self, model: MultitaskModel, params: SmartParams, device: torch.device, bf16: bool, seed: int,
-                 task_loss=gold_loss):
-        self.params, self.device, self.bf16 = params, device, bf16
+    """The task loss of a batch, weighted: what the default step backpropagates."""
+
+    def __init__(self, model: MultitaskModel, device: torch.device, bf16: bool, losses: dict | None = None):
+        self.device, self.bf16 = device, bf16
         self.autocast_cache = True  # off for captured steps: a CUDA graph must not hold autocast's cached casts
-        self.task_loss = task_loss  # (model, task, outputs, batch) -> the batch-mean task loss
-        uses_smart = any(params.task_weight(task) > 0 for task in model.tasks)
-        site = functools.partial(model.perturbation_site, where=params.perturb)
-        self.smart = Smart(params, site, device, seed) if uses_smart else None
-        self.teacher = EmaTeacher(model, params.beta) if params.mu > 0 else None
-        self.terms = ([SmartTerm(self.smart, params)] if self.smart is not None else []) + \
-                     ([BregmanTerm(self.teacher, params.mu)] if self.teacher is not None else [])
+        self.losses = losses if losses is not None else kind_losses(model)  # task -> (outputs, batch) -> mean loss
 
     def forward(self, model: torch.nn.Module, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16,
@@ -106,10 +103,35 @@ class Objective:
             return model(task, batch)
 
     def __call__(self, model: MultitaskModel, task: str, batch: dict[str, torch.Tensor]) -> BatchLoss:
+        loss = self.losses[task](self.forward(model, task, batch), batch)
+        return BatchLoss(total=model.head_params[task].loss_weight * loss, task_loss=loss.detach())
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class Regularised(Objective):
+    """The task loss plus SMART's and the Bregman teacher's terms, each on the tasks whose weight is above 0."""
+
+    def __init__(self, model: MultitaskModel, params: SmartParams, device: torch.device, bf16: bool, seed: int,
+                 losses: dict | None = None):
+        super().__init__(model, device, bf16, losses)
+        self.params = params
+        uses_smart = any(params.task_weight(task) > 0 for task in model.tasks)
+        site = functools.partial(model.perturbation_site, where=params.perturb)
+        self.smart = Smart(params, site, device, seed) if uses_smart else None
+        self.teacher = EmaTeacher(model, params.beta) if params.mu > 0 else None
+        self.terms = ([SmartTerm(self.smart, params)] if self.smart is not None else []) + \
+                     ([BregmanTerm(self.teacher, params.mu)] if self.teacher is not None else [])
+
+    def __call__(self, model: MultitaskModel, task: str, batch: dict[str, torch.Tensor]) -> BatchLoss:
         # a regulariser replays the clean pass's dropout masks: the RNG's state before that pass draws them
-        replay = RngReplay(self.device) if self.terms else None
+        replay = RngReplay(self.device)
         outputs = self.forward(model, task, batch)
-        loss = self.task_loss(model, task, outputs, batch)
+        loss = self.losses[task](outputs, batch)
         result = BatchLoss(total=loss, task_loss=loss.detach())
         terms = [term for term in self.terms if term.weight(task) > 0]
         if terms:
@@ -141,3 +163,11 @@ class Objective:
     def load_state_dict(self, state: dict) -> None:
         for term in self.terms:
             term.load_state_dict(state[term.name])
+
+
+def make_objective(model: MultitaskModel, params: SmartParams, device: torch.device, bf16: bool, seed: int,
+                   losses: dict | None = None) -> Objective:
+    """The plain objective, or the regularised one where smart.* turns a term on (a task's lambda, or mu)."""
+    if params.mu > 0 or any(params.task_weight(task) > 0 for task in model.tasks):
+        return Regularised(model, params, device, bf16, seed, losses)
+    return Objective(model, device, bf16, losses)
