@@ -229,7 +229,7 @@ def main(name: str = typer.Option("", "--model", help="a name in export.models, 
     import tempfile
 
     from mtbert import io
-    from mtbert.params import load_params
+    from mtbert.params_file import load_params
 
     params = load_params(params_file)
     name = name or next(iter(params.export.models), "ensemble")

@@ -38,7 +38,8 @@ from bench.peer import Tally, TrainerPeer, mixed_rate, mtbert_step, task_share
 from bench.suite import non_embedding_parameters
 from mtbert import io
 from mtbert.model.backbone import load_tokenizer, resolve_backbone
-from mtbert.params import Params, variant_params, with_changes
+from mtbert.params import Params
+from mtbert.params_file import variant_params, with_changes
 from mtbert.runtime import setup_logging
 from mtbert.training.build import FineTuning
 from mtbert.training.finetune import fine_tune

@@ -21,7 +21,8 @@ import typer
 
 from bench.common import alternate_blocks, scratch_run, timed_steps
 from mtbert import io
-from mtbert.params import SmartParams, variant_params, with_changes
+from mtbert.params import SmartParams
+from mtbert.params_file import variant_params, with_changes
 from mtbert.runtime import setup_logging
 from mtbert.training.build import FineTuning, schedule
 from mtbert.training.objective import make_objective

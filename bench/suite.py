@@ -55,7 +55,7 @@ from bench.smart_step import alternating_step_times, ratios
 from mtbert import io
 from mtbert.data.batches import TaskSplit, eval_batches, load_split
 from mtbert.data.sampling import TaskStream
-from mtbert.params import variant_params
+from mtbert.params_file import variant_params
 from mtbert.runtime import setup_logging
 from mtbert.training.build import FineTuning, schedule
 from mtbert.training.finetune import update

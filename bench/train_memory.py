@@ -23,7 +23,7 @@ import typer
 
 from bench.common import scratch_run
 from mtbert.evaluation.evaluate import evaluate
-from mtbert.params import variant_params, with_changes
+from mtbert.params_file import variant_params, with_changes
 from mtbert.runtime import peak_rss_gib, setup_logging
 from mtbert.training import build, finetune
 from mtbert.training import progress as progress_state

@@ -105,7 +105,7 @@ def export(model: Path = typer.Option(..., "--model", help="a trained variant's 
     from mtbert import io
     from mtbert.deploy.export import export_variant
     from mtbert.deploy.predictors import quiet_transformers
-    from mtbert.params import load_params, with_changes
+    from mtbert.params_file import load_params, with_changes
     from mtbert.runtime import setup_logging, setup_torch
 
     setup_logging()

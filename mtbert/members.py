@@ -19,7 +19,7 @@ import sys
 
 import typer
 
-from mtbert.params import load_params
+from mtbert.params_file import load_params
 from mtbert.runtime import UserError, run_app, setup_logging
 
 log = logging.getLogger("members")

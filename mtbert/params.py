@@ -2,25 +2,21 @@
 written once, here. docs/params.md is generated from it (mtbert/params_reference.py).
 
 params.yaml holds every value the pipeline runs with (DVC tracks it), so a missing or unknown key is an error;
-only the per-task knobs and `heads` have defaults. A bad file fails before any work, in one line naming the
-dotted key.
+only the per-task knobs and `heads` have defaults. Reading a file, its one-line errors and its variants:
+mtbert/params_file.py.
 """
 
 from __future__ import annotations
 
 import re
-import typing
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     PlainValidator,
     TypeAdapter,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -29,7 +25,6 @@ from pydantic_core import PydanticCustomError
 
 from mtbert.runtime import UserError
 
-DEFAULT_PARAMS_FILE = Path("params.yaml")
 NAME = re.compile(r"[A-Za-z0-9_-]+")  # what task, variant and student names may use
 
 
@@ -481,6 +476,14 @@ def check_task_names(tasks: dict[str, TaskParams]) -> dict[str, TaskParams]:
     return tasks
 
 
+def heads_of_the_tasks(cls, heads: dict[str, HeadParams], info: ValidationInfo) -> dict[str, HeadParams]:
+    """The `heads` validator of Params and ModelSpec: every task's head resolved by `check_heads`. A saved model
+    (ModelSpec) names every task's head; params.yaml may leave a task's out, for the defaults."""
+    if "tasks" not in info.data:  # the tasks failed already
+        return heads
+    return check_heads(info.data["tasks"], heads, "", every=cls is ModelSpec)
+
+
 class Params(Section):
     """The whole of params.yaml; per-task knobs and heads come resolved for every task, in task order."""
     tasks: dict[str, TaskParams] = Field(description="Task name → its declaration, in the order the pipeline "
@@ -505,11 +508,7 @@ class Params(Section):
 
     _nulls = field_validator("heads", "models", mode="before")(_none_as_empty)
     _task_names = field_validator("tasks")(check_task_names)
-
-    @field_validator("heads", mode="after")
-    @classmethod
-    def _a_head_per_task(cls, heads: dict[str, HeadParams], info: ValidationInfo) -> dict[str, HeadParams]:
-        return check_heads(info.data["tasks"], heads, "") if "tasks" in info.data else heads
+    _heads = field_validator("heads")(heads_of_the_tasks)
 
     @model_validator(mode="after")
     def _names_agree(self) -> Params:
@@ -542,11 +541,7 @@ class ModelSpec(Section):
     heads: dict[str, HeadParams]  # a saved model names every task's head
 
     _task_names = field_validator("tasks")(check_task_names)
-
-    @field_validator("heads", mode="after")
-    @classmethod
-    def _a_head_per_task(cls, heads: dict[str, HeadParams], info: ValidationInfo) -> dict[str, HeadParams]:
-        return check_heads(info.data["tasks"], heads, "", every=True) if "tasks" in info.data else heads
+    _heads = field_validator("heads")(heads_of_the_tasks)
 
 
 def check_heads(tasks: dict[str, TaskParams], heads: dict[str, HeadParams], key: str = "heads", *,
@@ -590,175 +585,9 @@ def check_heads(tasks: dict[str, TaskParams], heads: dict[str, HeadParams], key:
     return resolved
 
 
-def load_params(path: Path | str = DEFAULT_PARAMS_FILE) -> Params:
-    """Read and validate params.yaml; raise ParamsError naming the first bad key."""
-    return parse_params(_read_yaml(Path(path)), source=str(path))
-
-
-def _read_yaml(path: Path) -> Any:
-    try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ParamsError(f"{path}: file not found (run from the repository root)") from None
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or str(error)
-        raise ParamsError(f"{path}: not valid YAML{where}: {' '.join(problem.split())}") from None
-
-
-def parse_params(raw: Any, *, source: str = "params") -> Params:
-    """params.yaml's content validated, and every variant's too."""
-    params = parse_section(Params, raw, "", source=source)
-    for variant in params.models:
-        if not NAME.fullmatch(variant) or variant == "ensemble":
-            raise ParamsError(f"{source}: models.{variant}: a variant name may use letters, digits, '_' and '-', "
-                              "and cannot be 'ensemble'")
-        parse_section(Params, merged_variant(raw, variant), f"models.{variant}", source=source)
-    return params
-
-
-def parse_section(cls: type[Section], raw: Any, key: str, *, source: str = "params") -> Any:
-    """`raw` validated as `cls`, e.g. a whole params file or a saved model's ModelSpec; errors start with
-    `<source>: <key>.`."""
-    tasks = list(raw["tasks"]) if isinstance(raw, dict) and isinstance(raw.get("tasks"), dict) else []
-    try:
-        # params.yaml says `lambda`, never `lambda_`
-        return cls.model_validate(raw, context={"tasks": tasks}, by_alias=True, by_name=False)
-    except ValidationError as error:
-        raise ParamsError(f"{source}: {one_line(error, cls, key, raw)}") from None
-
-
-def with_changes(section: Section, **changes: Any) -> Any:
-    """A copy of a section with some knobs changed (by field name, e.g. `lambda_`), validated again. A
-    per-task knob takes its resolved form here, {task: value} for every task."""
-    try:
-        raw = {**dict(section), **changes}
-        return type(section).model_validate(raw, by_name=True)
-    except ValidationError as error:
-        raise ParamsError(one_line(error, type(section), "", raw)) from None
-
-
-def variant_params(raw_or_path: Any, variant: str) -> Params:
-    """The params of one named variant: its overrides deep-merged over the shared sections."""
-    raw, source = raw_or_path, "params"
-    if isinstance(raw_or_path, (str, Path)):
-        raw, source = _read_yaml(Path(raw_or_path)), str(raw_or_path)
-    parse_params(raw, source=source)
-    return parse_section(Params, merged_variant(raw, variant), f"models.{variant}", source=source)
-
-
-def student_params(params_file: Path | str, student: str) -> Params:
-    """The params of one distilled student: distill.variant's with the student's seed (distill.students)."""
-    raw = _read_yaml(Path(params_file))
-    distill = parse_params(raw, source=str(params_file)).distill
-    require_student(distill, student, params_file)
-    merged = deep_merge(merged_variant(raw, distill.variant), {"train": {"seed": distill.students[student]}})
-    return parse_section(Params, merged, f"distill.students.{student}", source=str(params_file))
-
-
-def require_student(distill: DistillParams, student: str, source: Path | str) -> None:
-    if student not in distill.students:
-        raise ParamsError(f"{source}: distill.students: no student {student!r}; it names "
-                          f"{', '.join(distill.students)}")
-
-
-def merged_variant(raw: dict, variant: str) -> dict:
-    models = raw.get("models") or {}
-    if variant not in models:
-        raise ParamsError(f"unknown variant {variant!r}; models defines: {', '.join(models) or 'none'}")
-    overrides = models[variant] or {}
-    if not isinstance(overrides, dict):
-        raise ParamsError(f"models.{variant}: expected a mapping of overrides, got {overrides!r}")
-    for name in ("models", "tasks", "ensemble", "distill", "stats"):  # tokenize's tasks; what combines the variants
-        if name in overrides:
-            raise ParamsError(f"models.{variant}: a variant cannot override '{name}'")
-    refuse_null_mappings(raw, overrides, f"models.{variant}")
-    return deep_merge(with_scalars_as_maps(raw, overrides), overrides)
-
-
-def refuse_null_mappings(base: dict, overrides: dict, key: str) -> None:
-    """A variant's null where the shared params have a mapping (e.g. `heads: {sts: null}`) would reset all of
-    it to the defaults without a word; refuse it."""
-    for name, value in overrides.items():
-        shared = base.get(name) if isinstance(base, dict) else None
-        if value is None and isinstance(shared, dict):
-            raise ParamsError(f"{key}.{name}: expected a mapping of overrides, got null (it would drop the shared "
-                              f"{name} settings)")
-        if isinstance(value, dict) and isinstance(shared, dict):
-            refuse_null_mappings(shared, value, f"{key}.{name}")
-
-
-def with_scalars_as_maps(raw: dict, overrides: dict) -> dict:
-    """raw with each per-task scalar that a variant overrides with a mapping spelled out for every task, so
-    the variant's mapping changes the tasks it names and the others keep the shared scalar."""
-    tasks = raw.get("tasks") if isinstance(raw.get("tasks"), dict) else {}
-    raw = dict(raw)
-    for section, knobs in PER_TASK_KNOBS.items():
-        shared, override = raw.get(section), overrides.get(section)
-        if not isinstance(shared, dict) or not isinstance(override, dict):
-            continue
-        spelled = {knob: dict.fromkeys(tasks, shared[knob]) for knob in knobs
-                   if knob in shared and not isinstance(shared[knob], dict) and isinstance(override.get(knob), dict)}
-        raw[section] = {**shared, **spelled}
-    return raw
-
-
-def deep_merge(base: dict, overrides: dict) -> dict:
-    """A copy of base with overrides applied; nested mappings merge key by key, other values replace."""
-    merged = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
 _ANY = TypeAdapter(Any)
 
 
 def as_dict(params: Any) -> Any:
     """Plain nested dicts and lists of params, keyed as in params.yaml (e.g. `lambda`), e.g. to save beside a model."""
     return _ANY.dump_python(params, by_alias=True)
-
-
-def one_line(error: ValidationError, root: type[Section], key: str, raw: Any) -> str:
-    """pydantic's first error (unknown keys first, then missing ones) as one line naming the dotted key as the
-    user wrote it: a per-task knob given one value for every task is named without a task."""
-    first = min(error.errors(), key=lambda e: {"extra_forbidden": 0, "missing": 1}.get(e["type"], 2))
-    loc = [str(part) for part in first["loc"]]
-    if len(first["loc"]) > 1 and isinstance(first["loc"][-1], str) and written_as_one_value(raw, loc[:-1]):
-        loc = loc[:-1]  # every_task spread this one value over the tasks
-    name = ".".join(filter(None, [key, *loc]))
-    if first["type"] == "extra_forbidden":
-        accepted = [field.alias or field_name for field_name, field in section_at(root, loc[:-1]).model_fields.items()]
-        parent = ".".join(filter(None, [key, *loc[:-1]])) or "the top level"
-        return f"unknown key {name!r}; {parent} accepts: {', '.join(accepted)}"
-    if first["type"] == "missing":
-        return f"missing key {name!r}"
-    if first["type"] == "value_error":  # a validator's message: `<key within name>: …`, or `: …` about name itself
-        message = str(first["ctx"]["error"])
-        return f"{name}{message}" if message.startswith(":") else ".".join(filter(None, [name, message]))
-    message = "expected a mapping" if first["type"] == "model_type" else first["msg"]
-    if message.startswith("Input should be "):
-        message = "expected " + message.removeprefix("Input should be ")
-    return f"{name or 'the top level'}: {message[0].lower()}{message[1:]}, got {first['input']!r:.80}"
-
-
-def written_as_one_value(raw: Any, loc: list[str]) -> bool:
-    """Whether the raw input at a path of keys is there and not a mapping."""
-    for part in loc:
-        if not isinstance(raw, dict) or part not in raw:
-            return False
-        raw = raw[part]
-    return not isinstance(raw, dict)
-
-
-def section_at(root: type[Section], loc: list[str]) -> type[Section]:
-    """The section class at a path of keys: a model's field, or a mapping's value."""
-    section: Any = root
-    for part in loc:
-        section = (typing.get_args(section)[1] if typing.get_origin(section) is dict
-                   else section.model_fields[part].annotation)
-    return section

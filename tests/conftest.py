@@ -65,7 +65,7 @@ def write_raw_files(directory: Path, overrides: dict[str, str | bytes] | None = 
 def default_tasks() -> dict:
     """The repository's task declarations (SST, QQP, STS) as Task objects, by name."""
     from mtbert.data.tasks import tasks_from_params
-    from mtbert.params import load_params
+    from mtbert.params_file import load_params
 
     return tasks_from_params(load_params(REPO_ROOT / "params.yaml").tasks)
 
@@ -169,7 +169,7 @@ def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, model=None, tr
     """A params.yaml for tests: the repository's, pointed at the test data and the small backbone."""
     import yaml
 
-    from mtbert.params import deep_merge
+    from mtbert.variants import deep_merge
 
     params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
     params["data"]["raw_dir"] = str(raw_dir)

@@ -76,7 +76,8 @@ def write_variant(deployed: Deployed, variant: str, backbone: Path) -> None:
     from mtbert.model.backbone import load_encoder, load_tokenizer
     from mtbert.model.multitask import MultitaskModel
     from mtbert.model.saved import assemble_model, epoch_dir, save_model
-    from mtbert.params import as_dict, variant_params
+    from mtbert.params import as_dict
+    from mtbert.params_file import variant_params
     from mtbert.training.build import NOT_TRAINING
 
     params = variant_params(deployed.params_file, variant)

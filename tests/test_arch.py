@@ -13,7 +13,7 @@ from mtbert.model.architectures import ARCHS, TaskEncoders, attention_for
 from mtbert.model.dropout import EAGER_ATTENTION
 from mtbert.model.multitask import MultitaskModel
 from mtbert.model.saved import ModelFolderError, load_model, save_model
-from mtbert.params import load_params, variant_params, with_changes
+from mtbert.params_file import load_params, variant_params, with_changes
 from mtbert.training.losses import task_loss
 from mtbert.training.pcgrad import project_conflicts
 from tests.conftest import REPO_ROOT, TASKS, make_params

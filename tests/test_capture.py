@@ -12,7 +12,7 @@ import torch
 
 from mtbert.data.batches import load_split
 from mtbert.data.tasks import tasks_from_params
-from mtbert.params import variant_params
+from mtbert.params_file import variant_params
 from mtbert.training.averaging import MovingAverage
 from mtbert.training.capture import capture_blocker, one_width
 from mtbert.training.checkpoint import restore

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mtbert.evaluation.predictions import read_dump
-from mtbert.params import load_params, variant_params, with_changes
+from mtbert.params_file import load_params, variant_params, with_changes
 from mtbert.training import distributed, finetune
 from mtbert.training.loop import Paths, TrainingError
 from stages.pretrain import pretrain

@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 from mtbert.data.batches import load_split
 from mtbert.evaluation.predictions import write_dump
 from mtbert.evaluation.teacher import ensemble_teacher
-from mtbert.params import HeadParams, ParamsError, parse_params
+from mtbert.params import HeadParams, ParamsError
+from mtbert.params_file import parse_params
 from mtbert.runtime import MissingInputError, UserError
 from mtbert.training.distillation import Distillation
 from mtbert.training.losses import task_loss

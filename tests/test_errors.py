@@ -18,7 +18,8 @@ import pytest
 from mtbert.data.rawdata import RawDataError
 from mtbert.model.backbone import BackboneError
 from mtbert.model.saved import ModelFolderError
-from mtbert.params import ParamsError, as_dict, load_params
+from mtbert.params import ParamsError, as_dict
+from mtbert.params_file import load_params
 from mtbert.runtime import MissingInputError, UserError
 from tests.conftest import REPO_ROOT, make_params, write_raw_files
 

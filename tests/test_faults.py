@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mtbert.params import variant_params
+from mtbert.params_file import variant_params
 from mtbert.training import build
 from tests.commands import mtbert_in_process
 from tests.conftest import REPO_ROOT, make_params

@@ -3,7 +3,8 @@ import copy
 import pytest
 import yaml
 
-from mtbert.params import ParamsError, load_params, parse_params, variant_params
+from mtbert.params import ParamsError
+from mtbert.params_file import load_params, parse_params, variant_params
 from tests.conftest import REPO_ROOT
 
 
@@ -154,7 +155,7 @@ def test_errors_inside_mappings_keep_their_whole_key(raw_params):
 
 
 def test_a_changed_per_task_knob_names_its_task(raw_params):
-    from mtbert.params import with_changes
+    from mtbert.params_file import with_changes
 
     train = parse_params(raw_params).train
     with pytest.raises(ParamsError, match=r"^batch_size.sts: expected greater than or equal to 1, got 0$"):

@@ -18,7 +18,7 @@ from mtbert.data.batches import TokenColumn
 from mtbert.data.masking import IGNORE_INDEX, MaskingVocab, mask_tokens
 from mtbert.io import rounded
 from mtbert.model.backbone import PROVENANCE_FILE, starting_point
-from mtbert.params import load_params
+from mtbert.params_file import load_params
 from mtbert.training.loop import Paths
 from stages.pretrain import app, pretrain
 from tests.conftest import REPO_ROOT, attention_runs, kill_once_checkpointed

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from mtbert.model.heads import RoutedHead, VectorRouting
-from mtbert.params import HeadParams, ParamsError, as_dict, check_heads, load_params, variant_params, with_changes
+from mtbert.params import HeadParams, ParamsError, as_dict, check_heads
+from mtbert.params_file import load_params, variant_params, with_changes
 from tests.conftest import REPO_ROOT, make_params
 from tests.runs import train_summary
 from tests.test_train import assert_saved_model_reproduces_its_dumps, run_paths

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from mtbert.data.kinds import Binary, Classification, Regression
 from mtbert.model.multitask import MultitaskModel
-from mtbert.params import ParamsError, check_heads, load_params, with_changes
+from mtbert.params import ParamsError, check_heads
+from mtbert.params_file import load_params, with_changes
 from mtbert.training.losses import task_loss
 from mtbert.training.objective import Regularised, make_objective
 from mtbert.training.smart import EmaTeacher, Perturbation, RngReplay, Smart, ascent_step, project, token_norms

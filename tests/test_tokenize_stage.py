@@ -8,7 +8,7 @@ import yaml
 from typer.testing import CliRunner
 
 from mtbert.data.rawdata import RawDataError
-from mtbert.params import deep_merge
+from mtbert.variants import deep_merge
 from stages.tokenize import app
 from tests.conftest import REPO_ROOT, write_raw_files
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mtbert.params import variant_params, with_changes
+from mtbert.params_file import variant_params, with_changes
 from mtbert.training import finetune
 from mtbert.training.loop import FiniteWatch, Paths, TrainingError
 from mtbert.training.progress import FineTuningCheckpoint, Progress

@@ -150,7 +150,8 @@ def test_the_transfer_rows_follow_the_training_rows_with_their_teacher_labels(ti
 def test_transfer_rows_must_name_declared_tasks_and_be_counts():
     import yaml
 
-    from mtbert.params import ParamsError, parse_params
+    from mtbert.params import ParamsError
+    from mtbert.params_file import parse_params
     from tests.conftest import REPO_ROOT
 
     raw = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())

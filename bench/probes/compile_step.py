@@ -24,7 +24,7 @@ import typer
 
 from bench.common import scratch_run, timed_steps
 from mtbert import io
-from mtbert.params import variant_params, with_changes
+from mtbert.params_file import variant_params, with_changes
 from mtbert.runtime import setup_logging
 from mtbert.training.build import FineTuning, schedule
 from mtbert.training.progress import Progress

@@ -30,7 +30,7 @@ from bench.common import alternate_blocks, cpu_name, scratch_run, timed_steps
 from mtbert import io
 from mtbert.model import dropout
 from mtbert.model.architectures import attention_implementation
-from mtbert.params import variant_params
+from mtbert.params_file import variant_params
 from mtbert.runtime import setup_logging
 from mtbert.training.build import schedule
 

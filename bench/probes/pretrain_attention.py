@@ -21,7 +21,7 @@ import typer
 
 from bench.common import alternate_blocks
 from mtbert import io
-from mtbert.params import load_params
+from mtbert.params_file import load_params
 from mtbert.runtime import setup_logging
 from mtbert.training import masked_lm
 from mtbert.training.distributed import setup_process

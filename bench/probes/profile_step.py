@@ -30,7 +30,7 @@ from bench.common import scratch_run
 from mtbert import io
 from mtbert.data.batches import load_split
 from mtbert.evaluation.evaluate import evaluate, predict_split
-from mtbert.params import variant_params, with_changes
+from mtbert.params_file import variant_params, with_changes
 from mtbert.runtime import setup_logging
 from mtbert.training import build, epoch_end, finetune
 

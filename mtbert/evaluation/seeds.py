@@ -15,7 +15,7 @@ import numpy as np
 
 from mtbert.data.tasks import Task
 from mtbert.evaluation.metrics import headline
-from mtbert.params import merged_variant
+from mtbert.variants import merged_variant
 
 # Params that decide how fast a variant runs or how others are combined, not what the variant computes.
 NOT_CONFIGURATION = ("models", "runtime", "ensemble", "stats")

@@ -135,7 +135,8 @@ def read_config(config_path: Path) -> dict:
 def load_snapshot(model_dir: Path) -> tuple[MultitaskModel, dict]:
     """One snapshot folder back as a MultitaskModel (in eval mode), with its saved config."""
     from mtbert.data.tasks import tasks_from_params
-    from mtbert.params import ModelSpec, ParamsError, parse_section
+    from mtbert.params import ModelSpec, ParamsError
+    from mtbert.params_file import parse_section
 
     config_path = model_dir / CONFIG_FILE
     for required in (config_path, model_dir / HEADS_FILE, model_dir / SHARED_DIR / "config.json"):

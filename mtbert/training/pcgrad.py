@@ -3,7 +3,8 @@
 Each task's gradient is projected onto the normal plane of every other task's (original) gradient it
 conflicts with (negative dot product), the others taken in random order; the projected gradients are
 summed. Gradients that do not conflict pass unchanged. `PCGrad` collects a step's gradients per task for
-that (`train.gradient: pcgrad`); mtbert/training/finetune.py's `accumulate_gradients` calls it in place of `backward()`.
+that (`train.gradient: pcgrad`): training/build.py's `step_hooks` puts its `backward` in the step in place of
+`Tensor.backward`, and its `end_task` and `end_step` after each task and each step.
 """
 
 from __future__ import annotations
