@@ -32,7 +32,8 @@ from mtbert.evaluation.metrics import headline_summary
 from mtbert.evaluation.teacher import ensemble_members, ensemble_teacher, transfer_teacher
 from mtbert.model.card import CARD_FILE, student_card
 from mtbert.model.saved import CONFIG_FILE, load_model, write_checksums
-from mtbert.params import Params, load_params, require_student, student_params
+from mtbert.params import Params
+from mtbert.params_file import load_params, require_student, student_params
 from mtbert.runtime import run_app, setup_logging, use_bf16
 from mtbert.training import finetune
 from mtbert.training.distillation import Distillation

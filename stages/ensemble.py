@@ -24,7 +24,8 @@ from mtbert.evaluation.metrics import headline, overall
 from mtbert.evaluation.plots import write_plot_tables
 from mtbert.evaluation.predictions import read_dump, rejected_ids, write_dump, write_submission
 from mtbert.model.card import CARD_FILE, ensemble_card
-from mtbert.params import as_dict, load_params
+from mtbert.params import as_dict
+from mtbert.params_file import load_params
 from mtbert.runtime import run_app, setup_logging
 
 log = logging.getLogger("ensemble")

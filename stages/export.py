@@ -18,7 +18,7 @@ import typer
 
 from mtbert import io
 from mtbert.deploy.export import export_variant
-from mtbert.params import load_params, student_params, variant_params
+from mtbert.params_file import load_params, student_params, variant_params
 from mtbert.runtime import limit_memory_growth, run_app, setup_logging, setup_torch
 
 log = logging.getLogger("export")

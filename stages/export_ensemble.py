@@ -19,7 +19,7 @@ import typer
 from mtbert import io
 from mtbert.data.tasks import tasks_from_params
 from mtbert.deploy.ensemble_export import export_ensemble
-from mtbert.params import load_params
+from mtbert.params_file import load_params
 from mtbert.runtime import limit_memory_growth, run_app, setup_logging, setup_torch
 
 log = logging.getLogger("export")

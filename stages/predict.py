@@ -18,7 +18,7 @@ from mtbert import io
 from mtbert.evaluation.evaluate import write_predictions
 from mtbert.evaluation.metrics import headline_summary
 from mtbert.model.saved import load_model
-from mtbert.params import load_params
+from mtbert.params_file import load_params
 from mtbert.runtime import limit_memory_growth, run_app, setup_logging, setup_torch, use_bf16
 
 log = logging.getLogger("predict")

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import typer
 
-from mtbert.params import Params, load_params
+from mtbert.params import Params
+from mtbert.params_file import load_params
 from mtbert.runtime import limit_memory_growth, run_app, setup_logging
 from mtbert.training import masked_lm
 from mtbert.training.distributed import relaunch_with_torchrun, setup_process, shutdown, under_torchrun

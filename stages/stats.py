@@ -29,7 +29,8 @@ from mtbert.evaluation.metrics import overall, task_metrics
 from mtbert.evaluation.predictions import read_aligned
 from mtbert.evaluation.report import curve_rows, curves_table
 from mtbert.evaluation.seeds import compare_groups, group_statistics, seed_groups, spread
-from mtbert.params import Params, load_params, variant_params
+from mtbert.params import Params
+from mtbert.params_file import load_params, variant_params
 from mtbert.runtime import MissingInputError, run_app, setup_logging
 
 log = logging.getLogger("stats")

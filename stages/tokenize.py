@@ -17,7 +17,7 @@ from mtbert.data.rawdata import REJECT_COLUMNS, REJECT_REASONS, ParsedSplit, Raw
 from mtbert.data.tasks import SPLITS, tasks_from_params, tokenized_path
 from mtbert.data.tokenization import encode_rows
 from mtbert.model.backbone import load_tokenizer
-from mtbert.params import load_params
+from mtbert.params_file import load_params
 from mtbert.runtime import run_app, setup_logging
 
 log = logging.getLogger("tokenize")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import typer
 
-from mtbert.params import variant_params
+from mtbert.params_file import variant_params
 from mtbert.runtime import run_app, setup_logging
 from mtbert.training import finetune
 from mtbert.training.distributed import relaunch_with_torchrun, under_torchrun

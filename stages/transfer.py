@@ -25,7 +25,7 @@ from mtbert.data.tokenization import encode_rows
 from mtbert.data.transfer import Embed, TrainingText, transfer_rows
 from mtbert.model.backbone import load_encoder, load_tokenizer, starting_point
 from mtbert.model.pooling import mean_pooled_embeddings
-from mtbert.params import load_params
+from mtbert.params_file import load_params
 from mtbert.runtime import run_app, setup_logging, setup_torch, use_bf16
 
 log = logging.getLogger("transfer")

@@ -14,9 +14,9 @@ from mtbert.evaluation.ensemble import every_method, method_name, select
 from mtbert.evaluation.predictions import write_dump
 from mtbert.evaluation.report import results_block, results_table, splice
 from mtbert.evaluation.seeds import compare_groups, group_statistics, seed_groups
+from mtbert.evaluation.selection import chosen_epochs, chosen_metrics
 from mtbert.params import EnsembleParams
 from mtbert.runtime import MissingInputError
-from mtbert.training.selection import chosen_epochs, chosen_metrics
 from tests.conftest import REPO_ROOT, TASKS
 
 SST, QQP, STS = TASKS["sst"], TASKS["qqp"], TASKS["sts"]

@@ -1,1 +1,2 @@
-"""Metrics, predictions over a split, prediction dumps, plots, the ensemble, seed statistics and reports."""
+"""Metrics, each task's best dev epoch (`selection`), predictions over a split, prediction dumps, plots, the
+ensemble, seed statistics and reports."""

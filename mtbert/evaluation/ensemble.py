@@ -18,9 +18,9 @@ import numpy as np
 from mtbert.data.tasks import Task
 from mtbert.evaluation.members import average
 from mtbert.evaluation.metrics import headline, task_metrics
+from mtbert.evaluation.selection import best_epoch
 from mtbert.params import EnsembleParams
 from mtbert.params_file import with_changes
-from mtbert.training.selection import best_epoch
 
 
 @dataclasses.dataclass

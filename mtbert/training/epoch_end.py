@@ -16,12 +16,12 @@ from mtbert import io
 from mtbert.evaluation.evaluate import evaluate, predict_split
 from mtbert.evaluation.metrics import headline_summary, overall, task_metrics
 from mtbert.evaluation.predictions import write_dump
+from mtbert.evaluation.selection import chosen_epochs
 from mtbert.model.saved import epoch_dir, save_model
 from mtbert.training.build import FineTuning
 from mtbert.training.distributed import Ranks, broadcast
 from mtbert.training.progress import EpochTotals, Progress, checkpoint
 from mtbert.training.publish import model_config
-from mtbert.training.selection import chosen_epochs
 
 log = logging.getLogger("train")
 

@@ -8,13 +8,13 @@ import shutil
 import torch
 
 from mtbert import io
+from mtbert.evaluation.selection import chosen_epochs, chosen_metrics
 from mtbert.model.card import variant_card
 from mtbert.model.saved import assemble_model
 from mtbert.params import as_dict
 from mtbert.training.build import NOT_TRAINING, FineTuning
 from mtbert.training.loop import speed
 from mtbert.training.progress import Progress
-from mtbert.training.selection import chosen_epochs, chosen_metrics
 
 
 def publish(run: FineTuning, result: dict) -> None:
