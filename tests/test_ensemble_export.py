@@ -34,6 +34,7 @@ def exported(deployed, tmp_path_factory) -> tuple[Path, dict]:
     return root / "ensemble", json.loads((root / "ensemble.json").read_text())
 
 
+@pytest.mark.slow(reason="a second whole export of the ensemble (30 s)")
 def test_dumps_written_in_bf16_are_reported_not_held_to_the_tolerance(deployed, tmp_path):
     """On a bf16 machine `predict` writes its dumps in bf16, about 1e-2 from fp32: the export is checked
     against the members' fp32 PyTorch predictions, and its difference from the dumps is only reported."""

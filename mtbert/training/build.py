@@ -47,7 +47,7 @@ class Hooks:
     after_step: list[Callable] = dataclasses.field(default_factory=list)  # PCGrad: (progress) -> projected into .grad
     before_update: list[Callable[[], None]] = dataclasses.field(default_factory=list)  # ranks > 1: .grad averaged
     after_update: list[Callable[[torch.nn.Module], None]] = dataclasses.field(default_factory=list)  # the teacher
-    # (smart.mu), the moving average (train.ema)
+    # (smart.mu), the moving average (train.ema: MovingAverage.update in training/averaging.py, debiased)
 
 
 @dataclasses.dataclass
@@ -110,7 +110,7 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
     start random). With `distillation` it is a student's: each training row carries the teacher's prediction,
     and the task loss blends it with the gold label (training/distillation.py)."""
     p = params.train
-    bf16 = use_bf16(p.bf16, device)  # `auto` decided once, by the device
+    bf16 = use_bf16(p.bf16, device)  # `auto`: on where the device computes bf16 natively (AMX, AVX512-BF16, GPU)
     log.info("bf16 autocast %s (bf16: %s on %s)", "on" if bf16 else "off", p.bf16, device.type)
     tasks = tasks_from_params(params.tasks)
     start = starting_point(params.model.name, paths.pretrained)

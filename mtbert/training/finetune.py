@@ -83,7 +83,8 @@ def train_epoch(run: FineTuning, progress: Progress) -> None:
     """The epoch's steps from wherever `progress` is: an update every grad_accum steps, a checkpoint every
     runtime.checkpoint_every.train updates (the epoch's end has its own, after the dev evaluation)."""
     epoch_steps = schedule(run, progress.epoch)
-    step = run.captured.step if run.captured is not None else eager_step  # chosen once, outside the step
+    # chosen once, outside the step: captured only on a GPU with runtime.capture.cuda (training/capture.py)
+    step = run.captured.step if run.captured is not None else eager_step
     run.model.train()
     # a context, so that an error closes the bar first and the error's one line does not run into it
     with tqdm(total=len(epoch_steps), initial=progress.step_in_epoch, desc=f"epoch {progress.epoch + 1}",
@@ -108,6 +109,7 @@ def train_epoch(run: FineTuning, progress: Progress) -> None:
 
 
 def eager_step(run: FineTuning, progress: Progress, tasks: tuple[str, ...], ends_update: bool) -> None:
+    """One sampler step's gradients, then the optimiser update where the step ends one."""
     accumulate_gradients(run, progress, tasks)
     if ends_update:
         update(run, progress)

@@ -91,7 +91,8 @@ KindLoss = CrossEntropy | BinaryCrossEntropy | SquaredError
 
 
 def task_loss(task: Task, head: HeadParams) -> KindLoss:
-    """The loss unit of the task's kind (`tasks.<name>.kind`)."""
+    """The loss unit of the task's kind (`tasks.<name>.kind`); a regression's target is its raw label unless
+    heads.<task>.target is `unit`."""
     kind = task.kind
     if kind.name == "classification":
         return CrossEntropy()

@@ -90,7 +90,9 @@ def kind_losses(model: MultitaskModel) -> dict[str, KindLoss]:
 
 
 class Objective:
-    """The task loss of a batch, weighted: what the default step backpropagates."""
+    """The task loss of a batch times its head's loss_weight (1 unless heads.<task>.loss_weight says
+    otherwise): what the default step backpropagates. The forward pass runs under bf16 autocast where the run
+    decided on bf16 (train.bf16); each loss unit computes in fp32."""
 
     def __init__(self, model: MultitaskModel, device: torch.device, bf16: bool, losses: dict | None = None):
         self.device, self.bf16 = device, bf16
