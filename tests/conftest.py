@@ -271,15 +271,20 @@ def kill_once_checkpointed(command: list[str], checkpoint: Path, timeout: float 
 
 # The longest test files first (by `pytest --durations`): pytest-xdist hands out whole files in collection
 # order (with --no-loadscope-reorder; by default it orders them by their number of tests), so a long file
-# handed out last would leave the other worker idle at the end.
+# handed out last would leave the other worker idle at the end. test_deploy.py goes early and builds the
+# shared `deployed` fixture (30 s); the files that need no export follow, so that the other worker works
+# rather than waits while it is built; the other files that use it go last.
 LONGEST_FIRST = ("test_pipeline.py", "test_faults.py", "test_distributed.py", "test_train.py", "test_deploy.py",
-                 "test_bench.py", "test_arch.py", "test_pretrain.py", "test_errors.py")
+                 "test_arch.py", "test_pretrain.py", "test_errors.py")
+USE_DEPLOYED = ("test_ensemble_export.py", "test_serve_hostile.py", "test_serve.py", "test_bench.py")
 
 
 def pytest_collection_modifyitems(items):
-    def rank(item) -> int:
+    def rank(item) -> tuple[int, int]:
         name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+        if name in USE_DEPLOYED:
+            return 2, USE_DEPLOYED.index(name)
+        return (0, LONGEST_FIRST.index(name)) if name in LONGEST_FIRST else (1, 0)
 
     items.sort(key=rank)  # stable: each file's tests keep their order
 
