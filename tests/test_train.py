@@ -11,6 +11,8 @@ import torch
 from mtbert.params_file import variant_params, with_changes
 from mtbert.training import finetune
 from mtbert.training.loop import FiniteWatch, Paths, TrainingError
+from mtbert.training.objective import Regularised
+from mtbert.training.pcgrad import PCGrad
 from mtbert.training.progress import FineTuningCheckpoint, Progress
 from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params, recorded_forwards, saved_heads
 from tests.runs import prepared, result_of, run_training, train_command, train_summary
@@ -58,6 +60,27 @@ def test_model_folder_reloads_with_transformers(tmp_path, training_params, tiny_
         encoder = folder / f"epoch-{epoch}" / "encoder"
         assert AutoModel.from_pretrained(encoder).config.num_hidden_layers == 2
         assert AutoTokenizer.from_pretrained(encoder)("a film")["input_ids"][0] == 101
+
+
+@pytest.mark.parametrize("changes", [{}, {"train": {"sampler": "joint", "gradient": "pcgrad"}}, {"smart": {"mu": 1.0}},
+                                     {"train": {"ema": 0.0}}], ids=["default", "pcgrad", "teacher", "no-average"])
+def test_the_default_step_is_backward_adamw_and_the_average_and_the_params_add_the_rest(tmp_path, tiny_backbone,
+                                                                                        tiny_tokenized, changes):
+    """What `step_hooks` gives the step: by default plain backward and the moving average after the update,
+    nothing else; PCGrad, the Bregman teacher and train.ema: 0 change only their own pieces."""
+    params = variant_params(make_params(tmp_path, tiny_backbone, Path("unused"), **changes), "base")
+    run = prepared(params, Paths(tokenized=tiny_tokenized, model_out=tmp_path / "m", metrics_out=tmp_path / "m.json",
+                                 live_dir=tmp_path / "live", checkpoints=tmp_path / "ck")).run
+    hooks, average = run.hooks, [run.average.update] if params.train.ema > 0 else []
+    assert hooks.before_update == []  # one process: nothing to average over
+    if params.train.gradient == "pcgrad":
+        pcgrad = hooks.backward.__self__
+        assert type(pcgrad) is PCGrad and hooks.after_task == [pcgrad.end_task] and len(hooks.after_step) == 1
+    else:
+        assert hooks.backward is torch.Tensor.backward and hooks.after_task == hooks.after_step == []
+    teacher = [run.objective.after_update] if isinstance(run.objective, Regularised) else []
+    assert bool(teacher) == (params.smart.mu > 0)
+    assert hooks.after_update == teacher + average
 
 
 @pytest.mark.parametrize("check_every", [1, 50])  # every step, or only before the checkpoint after update 6
