@@ -24,7 +24,7 @@ from mtbert import io
 from mtbert.params import SmartParams
 from mtbert.params_file import variant_params, with_changes
 from mtbert.runtime import setup_logging
-from mtbert.training.build import FineTuning, schedule
+from mtbert.training.build import FineTuning, schedule, step_hooks
 from mtbert.training.objective import make_objective
 from mtbert.training.progress import Progress
 
@@ -33,8 +33,11 @@ app = typer.Typer(add_completion=False)
 
 
 def with_smart(run: FineTuning, smart: SmartParams) -> FineTuning:
-    """The same run (model, data, optimiser) with the objective these smart.* settings choose."""
-    return dataclasses.replace(run, objective=make_objective(run.model, smart, run.device, run.bf16, run.train.seed))
+    """The same run (model, data, optimiser) with the objective these smart.* settings choose, and the step's
+    pieces built for it (with smart.mu > 0, the teacher follows the weights after each update)."""
+    objective = make_objective(run.model, smart, run.device, run.bf16, run.train.seed)
+    return dataclasses.replace(run, objective=objective,
+                               hooks=step_hooks(run.train, run.model, run.ranks, run.device, objective, run.average))
 
 
 def smart_run(run: FineTuning, steps: int, mode: str = "adversarial") -> FineTuning:
