@@ -24,8 +24,7 @@ from mtbert import io
 from mtbert.params import SmartParams
 from mtbert.params_file import variant_params, with_changes
 from mtbert.runtime import setup_logging
-from mtbert.training.build import FineTuning, schedule, step_hooks
-from mtbert.training.objective import make_objective
+from mtbert.training.build import FineTuning, make_objective, schedule, step_hooks
 from mtbert.training.progress import Progress
 
 TARGETS = {"smart": 2.5, "random": 2.0}  # step time over plain: SMART (K ascent steps) and random mode

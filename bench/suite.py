@@ -57,9 +57,8 @@ from mtbert.data.batches import TaskSplit, eval_batches, load_split
 from mtbert.data.sampling import TaskStream
 from mtbert.params_file import variant_params
 from mtbert.runtime import setup_logging
-from mtbert.training.build import FineTuning, schedule
+from mtbert.training.build import FineTuning, make_objective, schedule
 from mtbert.training.finetune import update
-from mtbert.training.objective import make_objective
 from mtbert.training.progress import Progress
 
 TARGETS = {"peer_speedup": 2.0, "train_speedup": 3.0, "peak_fraction": 0.40, "smart_ratio": 2.5,

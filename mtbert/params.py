@@ -8,7 +8,6 @@ mtbert/params_file.py.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -23,9 +22,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from mtbert.per_task import NAME, PER_TASK_KNOBS, check_task_names, every_task, resolve_heads, task_fits_its_kind
 from mtbert.runtime import UserError
-
-NAME = re.compile(r"[A-Za-z0-9_-]+")  # what task, variant and student names may use
 
 
 class ParamsError(UserError, ValueError):
@@ -60,21 +58,6 @@ Processes = Annotated[int, Field(ge=1, description="Data-parallel processes on t
                                                    "stage through torchrun.")]
 
 
-def every_task(cls, value: Any, info: ValidationInfo) -> Any:
-    """A per-task knob as {task: value} for every task, in task order: a scalar is every task's value; a
-    mapping sets the tasks it names, and the others get the knob's default. The tasks come from the context
-    that parse_section passes."""
-    tasks = (info.context or {}).get("tasks")
-    if tasks is None:  # a section validated on its own (with_changes): its mapping is already resolved
-        return value
-    if not isinstance(value, dict):
-        return dict.fromkeys(tasks, value)
-    for name in value:
-        if name not in tasks:
-            raise ValueError(f"{name}: unknown task; tasks declares {', '.join(tasks)}")
-    return {task: value.get(task, cls.model_fields[info.field_name].default) for task in tasks}
-
-
 class DataParams(Section):
     """Where the raw files are and how much of them may be rejected."""
     raw_dir: str = Field(description="The folder of the raw CSV files.")
@@ -97,13 +80,9 @@ class SubmissionParams(Section):
 
 
 TaskKind = Literal["classification", "binary", "regression"]
-KIND_METRICS = {"classification": ("accuracy", "macro_f1"), "binary": ("accuracy", "f1"),
-                "regression": ("pearson", "spearman")}
-
-
 class TaskParams(Section):
-    """One task's declaration. Its kind decides the loss, outputs, metrics and dumps (mtbert/data/kinds.py); a
-    new task is an entry here plus its raw files (README, Adding a task)."""
+    """One task's declaration. Its kind decides the loss (mtbert/training/losses.py), outputs, metrics and dumps
+    (mtbert/data/kinds.py); a new task is an entry here plus its raw files (README, Adding a task)."""
     files: TaskFiles = Field(description="Its raw files.")
     text: list[str] = Field(description="One column (a sentence) or two (a pair).")
     label: str = Field(description="The label column.")
@@ -115,22 +94,8 @@ class TaskParams(Section):
                                     "pearson or spearman).")
     submission: SubmissionParams = Field(description="Its CS224N submission file.")
 
-    @model_validator(mode="after")
-    def _fits_the_kind(self) -> TaskParams:
-        if len(self.text) not in (1, 2) or len(set(self.text)) != len(self.text):
-            raise ValueError(f"text: expected one column or two distinct ones, got {self.text!r}")
-        if (self.kind == "classification") != (self.classes is not None):
-            raise ValueError(f"classes: expected for kind classification only, got {self.classes!r} with kind "
-                             f"{self.kind}")
-        if self.kind == "regression":
-            if self.range is None or len(self.range) != 2 or not self.range[0] < self.range[1]:
-                raise ValueError(f"range: kind regression expects [lowest, highest], got {self.range!r}")
-        elif self.range is not None:
-            raise ValueError(f"range: expected for kind regression only, got {self.range!r}")
-        if self.metric not in KIND_METRICS[self.kind]:
-            raise ValueError(f"metric: kind {self.kind} offers {', '.join(KIND_METRICS[self.kind])}, "
-                             f"got {self.metric!r}")
-        return self
+    _fits_the_kind = model_validator(mode="after")(task_fits_its_kind)
+
 
 
 class TokenizeParams(Section):
@@ -182,11 +147,6 @@ class PretrainParams(Section):
         return self
 
 
-# A routing head's sizes unless set: 4 vectors of 64 (256 features into the output layer, against the 384 of
-# a pooled MiniLM vector), and the reference implementation's 2 iterations.
-ROUTING_DEFAULTS = {"routing_vectors": 4, "routing_dim": 64, "routing_iters": 2}
-
-
 class HeadParams(Section):
     """One task's head. Every key has a default; a task left out of `heads` gets them all, and the defaults
     that depend on the task (a pair's encoding, a regression's target) are filled in by its declaration."""
@@ -218,7 +178,6 @@ class HeadParams(Section):
 
 
 PER_TASK = "Per task: one value for every task, or {task: value} for some (the others get the default)."
-PER_TASK_KNOBS = {"train": ("task_lr_mult", "batch_size", "max_train_examples"), "smart": ("task_lambda",)}
 
 
 class TrainParams(Section):
@@ -467,15 +426,6 @@ def _none_as_empty(value: Any) -> Any:
     return {} if value is None else value
 
 
-def check_task_names(tasks: dict[str, TaskParams]) -> dict[str, TaskParams]:
-    if not tasks:
-        raise ValueError(": expected at least one task declaration")
-    for name in tasks:
-        if not NAME.fullmatch(name):
-            raise ValueError(f"{name}: a task name may use letters, digits, '_' and '-'")
-    return tasks
-
-
 def heads_of_the_tasks(cls, heads: dict[str, HeadParams], info: ValidationInfo) -> dict[str, HeadParams]:
     """The `heads` validator of Params and ModelSpec: every task's head resolved by `check_heads`. A saved model
     (ModelSpec) names every task's head; params.yaml may leave a task's out, for the defaults."""
@@ -546,43 +496,12 @@ class ModelSpec(Section):
 
 def check_heads(tasks: dict[str, TaskParams], heads: dict[str, HeadParams], key: str = "heads", *,
                 every: bool = False) -> dict[str, HeadParams]:
-    """Every task's head, in task order, with the defaults its text and kind take filled in; a key the task
-    cannot take fails. `every`: a task without a head fails too, rather than getting the defaults. Errors
-    name `<key>.<task>.<option>` (a validator passes key "": pydantic names the field)."""
-    def fail(task: str, message: str) -> ParamsError:
-        return ParamsError(".".join(filter(None, [key, task])) + message)
-
-    for name in heads:
-        if name not in tasks:
-            raise fail(name, f": unknown task; tasks declares {', '.join(tasks)}")
-    missing = [name for name in tasks if name not in heads]
-    if every and missing:
-        raise fail(missing[0], ": missing; a saved model names every task's head")
-    resolved = {}
-    for name, task in tasks.items():
-        head = heads.get(name, HeadParams())
-        pair, regression = len(task.text) == 2, task.kind == "regression"
-        for option in ("encoding", "combine"):
-            if not pair and getattr(head, option) is not None:
-                raise fail(name, f".{option}: task {name} has one sentence, so it takes no {option}")
-        if not regression and head.target is not None:
-            raise fail(name, f".target: expected for regression tasks only (task {name} is {task.kind}), "
-                             f"got {head.target!r}")
-        head = head.model_copy(update={"encoding": head.encoding or ("cross" if pair else None),
-                                       "combine": head.combine or ("features" if pair else None),
-                                       "target": head.target or ("raw" if regression else None)})
-        if head.is_bi and head.combine == "cosine" and task.kind == "classification":
-            raise fail(name, f".combine: cosine gives one score, but task {name} has {task.classes} classes; "
-                             "use features")
-        if head.pooling == "routing":
-            head = head.model_copy(update={option: getattr(head, option) or default
-                                           for option, default in ROUTING_DEFAULTS.items()})
-        else:
-            for option in ROUTING_DEFAULTS:
-                if getattr(head, option) is not None:
-                    raise fail(name, f".{option}: expected with pooling: routing only, got pooling: {head.pooling}")
-        resolved[name] = head
-    return resolved
+    """Every task's head resolved (mtbert/per_task.py's `resolve_heads`); errors name `<key>.<task>.<option>`
+    (a validator passes key "": pydantic names the field)."""
+    try:
+        return resolve_heads(tasks, heads, HeadParams(), every=every)
+    except ValueError as error:
+        raise ParamsError(".".join(filter(None, [key, str(error)]))) from None
 
 
 _ANY = TypeAdapter(Any)

@@ -14,7 +14,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from mtbert.params import NAME, DistillParams, Params, ParamsError, Section
+from mtbert.params import DistillParams, Params, ParamsError, Section
+from mtbert.per_task import NAME
 from mtbert.variants import deep_merge, merged_variant
 
 DEFAULT_PARAMS_FILE = Path("params.yaml")

@@ -6,7 +6,8 @@ what combines the variants (`models`, `tasks`, `ensemble`, `distill`, `stats`), 
 
 from __future__ import annotations
 
-from mtbert.params import PER_TASK_KNOBS, ParamsError
+from mtbert.params import ParamsError
+from mtbert.per_task import PER_TASK_KNOBS
 
 
 def merged_variant(raw: dict, variant: str) -> dict:

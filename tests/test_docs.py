@@ -6,7 +6,7 @@ import re
 
 from tests.conftest import REPO_ROOT
 
-# e.g. "`update` (`mtbert/training/finetune.py` line 171)" or "`Objective.__call__` (`…/objective.py` line 106)"
+# e.g. "`update` (`mtbert/training/finetune.py` line 171)" or "`Objective.__call__` (`…/losses.py` line 166)"
 LINE_REFERENCE = re.compile(r"`(?P<name>[\w.]+)`\s+\(`(?P<file>[\w/]+\.py)`\s+line\s+(?P<line>\d+)\)")
 
 

@@ -7,8 +7,8 @@ import torch
 from mtbert.model.backbone import load_encoder
 from mtbert.model.multitask import MultitaskModel
 from mtbert.model.pooling import pool
-from mtbert.params import ROUTING_DEFAULTS
 from mtbert.params_file import load_params, with_changes
+from mtbert.per_task import ROUTING_DEFAULTS
 from mtbert.training.losses import task_loss
 from mtbert.training.optim import make_optimizer
 from tests.conftest import REPO_ROOT, TASKS

@@ -10,9 +10,18 @@ from mtbert.data.kinds import Binary, Classification, Regression
 from mtbert.model.multitask import MultitaskModel
 from mtbert.params import ParamsError, check_heads
 from mtbert.params_file import load_params, with_changes
+from mtbert.training.build import make_objective
 from mtbert.training.losses import task_loss
-from mtbert.training.objective import Regularised, make_objective
-from mtbert.training.smart import EmaTeacher, Perturbation, RngReplay, Smart, ascent_step, project, token_norms
+from mtbert.training.smart import (
+    EmaTeacher,
+    Perturbation,
+    Regularised,
+    RngReplay,
+    Smart,
+    ascent_step,
+    project,
+    token_norms,
+)
 from tests.conftest import REPO_ROOT, TASKS
 
 # SMART's l_s of each kind (mtbert/data/kinds.py): the symmetric KLs and the squared error

@@ -21,8 +21,9 @@ from mtbert.data.kinds import Binary, Classification, Regression
 from mtbert.data.tasks import Task, tasks_from_params, tokenized_path
 from mtbert.evaluation.metrics import headline, overall, task_metrics
 from mtbert.evaluation.predictions import read_dump, to_table, values_of, write_dump, write_submission
-from mtbert.params import KIND_METRICS, HeadParams, ModelSpec, ParamsError, as_dict
+from mtbert.params import HeadParams, ModelSpec, ParamsError, as_dict
 from mtbert.params_file import parse_params, parse_section, with_changes
+from mtbert.per_task import KIND_METRICS
 from mtbert.training.losses import BinaryCrossEntropy, CrossEntropy, SquaredError, task_loss
 from tests.conftest import REPO_ROOT, TASKS
 

@@ -11,9 +11,9 @@ import torch
 from mtbert.params_file import variant_params, with_changes
 from mtbert.training import finetune
 from mtbert.training.loop import FiniteWatch, Paths, TrainingError
-from mtbert.training.objective import Regularised
 from mtbert.training.pcgrad import PCGrad
 from mtbert.training.progress import FineTuningCheckpoint, Progress
+from mtbert.training.smart import Regularised
 from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params, recorded_forwards, saved_heads
 from tests.runs import prepared, result_of, run_training, train_command, train_summary
 

@@ -25,7 +25,7 @@ import pyarrow as pa
 import torch
 import torch.nn.functional as F
 
-from mtbert.params import KIND_METRICS
+from mtbert.per_task import KIND_METRICS
 
 
 class Kind:

@@ -19,7 +19,7 @@ from mtbert.data.sampling import TaskStream, epoch_schedule
 from mtbert.data.tasks import Task, tasks_from_params
 from mtbert.model.backbone import load_encoder, load_tokenizer, starting_point
 from mtbert.model.multitask import MultitaskModel
-from mtbert.params import Params, TrainParams, as_dict
+from mtbert.params import Params, SmartParams, TrainParams, as_dict
 from mtbert.rng import PCGRAD_ORDER, generator
 from mtbert.runtime import use_bf16
 from mtbert.training.averaging import MovingAverage, NoAverage, weight_average
@@ -27,9 +27,10 @@ from mtbert.training.capture import CapturedSteps, captured_steps
 from mtbert.training.distillation import Distillation
 from mtbert.training.distributed import Ranks, average_gradients, sync_parameters
 from mtbert.training.loop import FiniteWatch, Paths, Stopwatch, fingerprint, trainable
-from mtbert.training.objective import Objective, Regularised, kind_losses, make_objective
+from mtbert.training.losses import Objective, kind_losses
 from mtbert.training.optim import make_optimizer
 from mtbert.training.pcgrad import PCGrad
+from mtbert.training.smart import Regularised
 
 log = logging.getLogger("train")
 
@@ -136,7 +137,8 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
                      train_data, dev_data, snapshot_data, row_lengths, streams, optimizer, scheduler, objective,
                      step_hooks(p, model, ranks, device, objective, average), average, steps, Stopwatch(),
                      FiniteWatch(paths.checkpoints, "Lower train.lr or turn off train.bf16."))
-    run.captured = captured_steps(run)
+    if device.type == "cuda" and params.runtime.capture.cuda:  # never on a CPU, and off by default
+        run.captured = captured_steps(run)
     return run
 
 
@@ -156,6 +158,14 @@ def step_hooks(p: TrainParams, model: MultitaskModel, ranks: Ranks, device: torc
     if p.ema > 0:
         hooks.after_update.append(average.update)
     return hooks
+
+
+def make_objective(model: MultitaskModel, params: SmartParams, device: torch.device, bf16: bool, seed: int,
+                   losses: dict | None = None) -> Objective:
+    """The plain objective, or the regularised one where smart.* turns a term on (a task's lambda, or mu)."""
+    if params.mu > 0 or any(params.task_weight(task) > 0 for task in model.tasks):
+        return Regularised(model, params, device, bf16, seed, losses)
+    return Objective(model, device, bf16, losses)
 
 
 def snapshot_splits(p: TrainParams, tokenized: Path, task: Task, dev: TaskSplit) -> dict[str, TaskSplit]:

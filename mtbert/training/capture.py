@@ -40,8 +40,8 @@ import torch.nn.functional as F
 
 from mtbert.data.batches import micro_batches, on_device, padding_free_tokens
 from mtbert.training.distributed import shard
-from mtbert.training.losses import Distilled
-from mtbert.training.objective import BatchLoss, Regularised
+from mtbert.training.losses import BatchLoss, Distilled
+from mtbert.training.smart import Regularised
 
 log = logging.getLogger("train")
 
@@ -64,10 +64,8 @@ def capture_blocker(run) -> str | None:
 
 
 def captured_steps(run) -> CapturedSteps | None:
-    """The captured steps of a run on a GPU with runtime.capture.cuda on; None (the eager step) otherwise,
-    with one log line saying why where capture was asked for."""
-    if run.device.type != "cuda" or not run.params.runtime.capture.cuda:
-        return None
+    """The captured steps of a run on a GPU that asked for them (runtime.capture.cuda); None (the eager step)
+    where something rules capture out, with one log line saying what."""
     blocker = capture_blocker(run)
     if blocker is not None:
         log.info("captured steps off: %s; the eager step runs", blocker)

@@ -6,11 +6,11 @@ Read it top to bottom, as the `train` and `distill` stages call it (`fine_tune`)
     summary = train(run, progress)                 # the loop
 
 `train` runs, per epoch, the sampler's schedule of steps (`train_epoch`). The default step reads top to
-bottom below: `accumulate_gradients` (each task's batch in pieces: forward and loss, training/objective.py and
-training/losses.py; backward), then every train.grad_accum steps `update` (clipping, AdamW, the LR schedule,
-the weights' moving average). What the params add to it, the step calls without choosing: `run.hooks`
+bottom below: `accumulate_gradients` (each task's batch in pieces: forward and loss, training/losses.py's
+`Objective`; backward), then every train.grad_accum steps `update` (clipping, AdamW, the LR schedule, the
+weights' moving average). What the params add to it, the step calls without choosing: `run.hooks`
 (training/build.py's `step_hooks`: PCGrad, several ranks' averaging, the Bregman teacher) and the objective's
-SMART terms (training/objective.py's `Regularised`). The rest, by job:
+SMART terms (training/smart.py's `Regularised`). The rest, by job:
 - training/build.py: `FineTuning` (what the loop works with), `prepare`, the schedule, the fingerprint;
 - training/progress.py: `Progress` (counters, running sums, history) and the checkpoint a killed run
   resumes from (`checkpoint`, `resume`);
@@ -121,12 +121,15 @@ def accumulate_gradients(run: FineTuning, progress: Progress, tasks: tuple[str, 
     gradients summed over pieces, ranks and accumulated steps are the global batch's mean."""
     for task in tasks:
         global_rows = run.streams[task].next()  # the same on every rank
-        rows, encoding = shard(global_rows, run.ranks), run.model.encoding(task)
+        rows = shard(global_rows, run.ranks)  # every world_size-th row: all of them in one process
+        encoding = run.model.encoding(task)  # cross (a pair as one sequence) or bi: how its rows are batched
         for piece in micro_batches(rows, run.row_lengths[task], run.train.max_batch_tokens, run.pad_multiple):
             batch = run.train_data[task].batch(piece, encoding, run.pad_multiple)
             tokens = padding_free_tokens(batch)  # counted on the host, before the copy
             batch = on_device(batch, run.device)
             loss = run.objective(run.model, task, batch)  # the task's loss (plus SMART's terms), weighted
+            # both keep the loss on the device, unread: the step never waits for it. `finite` is read every
+            # runtime.check_every steps (train_epoch); `totals` are the epoch's running sums, for its record.
             run.finite.add(loss.total, f"{task} loss",
                            f"at epoch {progress.epoch + 1} step {progress.step_in_epoch + 1}")
             progress.totals.add(task, len(piece), tokens, loss, weight=len(piece) / len(rows))
@@ -149,6 +152,6 @@ def update(run: FineTuning, progress: Progress) -> None:
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    for hook in run.hooks.after_update:
+    for hook in run.hooks.after_update:  # by default train.ema's average: avg += (1 - d) / (1 - d^t) * (w - avg)
         hook(run.model)
     progress.updates += 1

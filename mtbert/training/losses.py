@@ -1,4 +1,7 @@
-"""The loss of each task kind, and a distilled student's blend of it with a teacher's: one unit per kind.
+"""The loss of each task kind (one unit per kind), a distilled student's blend of it with a teacher's, and
+the objective the default step backpropagates: a task batch's forward pass and its unit, times the head's
+loss_weight (`Objective`). SMART's and the Bregman teacher's terms extend it in training/smart.py
+(`Regularised`).
 
 A unit takes a task batch's outputs (in loss space, as MultitaskModel returns them) and the batch, and
 gives the batch mean as a 0-dim float32 tensor:
@@ -32,10 +35,13 @@ alpha × teacher loss + (1 − alpha) × gold loss per training row, and weight 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 from mtbert.data.tasks import Task
+from mtbert.model.multitask import MultitaskModel
 from mtbert.params import HeadParams
 
 
@@ -123,3 +129,46 @@ class Distilled:
         """alpha x the teacher's loss + (1 - alpha) x the gold labels', each a mean over the rows."""
         taught = self.unit.taught(outputs, teacher, self.temperature)
         return self.alpha * taught + (1 - self.alpha) * self.unit.gold(outputs, labels)
+
+
+# --- the objective ------------------------------------------------------------------------------
+@dataclasses.dataclass
+class BatchLoss:
+    total: torch.Tensor  # what to backpropagate
+    task_loss: torch.Tensor  # detached, on the device: reading it would make the step wait
+    smart_loss: float | None = None  # the batch-mean divergence, before lambda
+    bregman_loss: float | None = None  # before mu
+    delta_ratio: float | None = None  # mean over tokens of ||delta_t|| / ||x_t||, in smart.norm
+    delta_l2_ratio: float | None = None  # the same in the 2-norm, comparable across norms
+    ascended: float | None = None  # adversarial: share of tokens whose step followed the gradient
+
+
+def kind_losses(model: MultitaskModel) -> dict[str, KindLoss]:
+    """Each task's loss against its gold labels: its kind's unit (above)."""
+    return {name: task_loss(task, model.head_params[name]) for name, task in model.tasks.items()}
+
+
+class Objective:
+    """The task loss of a batch times its head's loss_weight (1 unless heads.<task>.loss_weight says
+    otherwise): what the default step backpropagates. The forward pass runs under bf16 autocast where the run
+    decided on bf16 (train.bf16); each loss unit computes in fp32."""
+
+    def __init__(self, model: MultitaskModel, device: torch.device, bf16: bool, losses: dict | None = None):
+        self.device, self.bf16 = device, bf16
+        self.autocast_cache = True  # off for captured steps: a CUDA graph must not hold autocast's cached casts
+        self.losses = losses if losses is not None else kind_losses(model)  # task -> (outputs, batch) -> mean loss
+
+    def forward(self, model: torch.nn.Module, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16,
+                            cache_enabled=self.autocast_cache):
+            return model(task, batch)
+
+    def __call__(self, model: MultitaskModel, task: str, batch: dict[str, torch.Tensor]) -> BatchLoss:
+        loss = self.losses[task](self.forward(model, task, batch), batch)
+        return BatchLoss(total=model.head_params[task].loss_weight * loss, task_loss=loss.detach())
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

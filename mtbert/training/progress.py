@@ -10,7 +10,7 @@ import shutil
 from mtbert.training.build import FineTuning
 from mtbert.training.checkpoint import every_rank
 from mtbert.training.loop import load_latest, write_checkpoint
-from mtbert.training.objective import BatchLoss
+from mtbert.training.losses import BatchLoss
 
 log = logging.getLogger("train")
 

@@ -29,18 +29,25 @@ pass, the adversarial pass, the teacher) draws the dropout masks the clean pass 
 perturbed outputs then equal the clean ones exactly. `off` compares passes without dropout instead, at the
 cost of one more forward and backward pass. Either way the global RNG stream after a step is the one a
 run without the regularisers would see; the noise comes from SMART's own generator.
+
+`Regularised` (at the end) is the training objective with these terms added to the task loss; the
+builder picks it over the plain `Objective` (training/losses.py) only where smart.lambda or smart.mu
+turns a term on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
+from mtbert.model.multitask import MultitaskModel
 from mtbert.params import SmartParams
 from mtbert.training.averaging import MovingAverage
+from mtbert.training.losses import BatchLoss, Objective
 
 Forward = Callable[[nn.Module], torch.Tensor]  # runs one model on the current batch, in loss space
 
@@ -270,3 +277,110 @@ class EmaTeacher(MovingAverage):
         with torch.no_grad(), replay.replayed():
             teacher_outputs = forward(self.model)
         return student.divergence(task, student_outputs, teacher_outputs).mean()
+
+
+# --- the objective with the terms ---------------------------------------------------------------
+# Regularised: total = loss_weight * (task loss + sum over terms of weight(task) * term), the terms being
+# SMART's adversarial term (weight lambda of the task) and the Bregman teacher's (weight mu). The builder
+# (training/build.py's `make_objective`) picks it only where smart.lambda or smart.mu turns a term on.
+class SmartTerm:
+    """SMART's adversarial divergence, on the tasks whose lambda is above 0."""
+    name = "smart"
+
+    def __init__(self, smart: Smart, params: SmartParams):
+        self.smart, self.params = smart, params
+
+    def weight(self, task: str) -> float:
+        return self.params.task_weight(task)
+
+    def loss(self, model, task: str, forward: Forward, reference: torch.Tensor,
+             replay: RngReplay) -> tuple[torch.Tensor, dict]:
+        loss, sizes = self.smart.loss(model, task, forward, reference, replay)
+        return loss, {"smart_loss": loss.item(), "delta_ratio": sizes["delta_ratio"],
+                      "delta_l2_ratio": sizes["delta_l2_ratio"], "ascended": sizes.get("ascended")}
+
+    def after_update(self, model) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return self.smart.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.smart.load_state_dict(state)
+
+
+class BregmanTerm:
+    """The divergence from the moving-average teacher, on every task."""
+    name = "teacher"
+
+    def __init__(self, teacher: EmaTeacher, mu: float):
+        self.teacher, self.mu = teacher, mu
+
+    def weight(self, task: str) -> float:
+        return self.mu
+
+    def loss(self, model, task: str, forward: Forward, reference: torch.Tensor,
+             replay: RngReplay) -> tuple[torch.Tensor, dict]:
+        loss = self.teacher.loss(model, task, forward, reference, replay)
+        return loss, {"bregman_loss": loss.item()}
+
+    def after_update(self, model) -> None:
+        self.teacher.update(model)
+
+    def state_dict(self) -> dict:
+        return self.teacher.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.teacher.load_state_dict(state)
+
+
+class Regularised(Objective):
+    """The task loss plus SMART's and the Bregman teacher's terms, each on the tasks whose weight is above 0."""
+
+    def __init__(self, model: MultitaskModel, params: SmartParams, device: torch.device, bf16: bool, seed: int,
+                 losses: dict | None = None):
+        super().__init__(model, device, bf16, losses)
+        self.params = params
+        uses_smart = any(params.task_weight(task) > 0 for task in model.tasks)
+        site = functools.partial(model.perturbation_site, where=params.perturb)
+        self.smart = Smart(params, site, device, seed) if uses_smart else None
+        self.teacher = EmaTeacher(model, params.beta) if params.mu > 0 else None
+        self.terms = ([SmartTerm(self.smart, params)] if self.smart is not None else []) + \
+                     ([BregmanTerm(self.teacher, params.mu)] if self.teacher is not None else [])
+
+    def __call__(self, model: MultitaskModel, task: str, batch: dict[str, torch.Tensor]) -> BatchLoss:
+        # a regulariser replays the clean pass's dropout masks: the RNG's state before that pass draws them
+        replay = RngReplay(self.device)
+        outputs = self.forward(model, task, batch)
+        loss = self.losses[task](outputs, batch)
+        result = BatchLoss(total=loss, task_loss=loss.detach())
+        terms = [term for term in self.terms if term.weight(task) > 0]
+        if terms:
+            self._add_terms(terms, model, task, batch, outputs, replay, result)
+        result.total = model.head_params[task].loss_weight * result.total
+        return result
+
+    def _add_terms(self, terms, model, task, batch, outputs, replay, result: BatchLoss) -> None:
+        def forward(m):
+            return self.forward(m, task, batch)
+
+        regulariser_mode = dropout_off(model) if self.params.dropout == "off" else contextlib.nullcontext()
+        with regulariser_mode:
+            # `same`: the regularisers compare against the clean pass, which drew the masks they replay
+            reference = outputs if self.params.dropout == "same" else forward(model)
+            for term in terms:
+                loss, figures = term.loss(model, task, forward, reference, replay)
+                result.total = result.total + term.weight(task) * loss
+                for name, value in figures.items():
+                    setattr(result, name, value)
+
+    def after_update(self, model: MultitaskModel) -> None:
+        for term in self.terms:
+            term.after_update(model)
+
+    def state_dict(self) -> dict:
+        return {term.name: term.state_dict() for term in self.terms}
+
+    def load_state_dict(self, state: dict) -> None:
+        for term in self.terms:
+            term.load_state_dict(state[term.name])
