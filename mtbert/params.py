@@ -80,6 +80,8 @@ class SubmissionParams(Section):
 
 
 TaskKind = Literal["classification", "binary", "regression"]
+
+
 class TaskParams(Section):
     """One task's declaration. Its kind decides the loss (mtbert/training/losses.py), outputs, metrics and dumps
     (mtbert/data/kinds.py); a new task is an entry here plus its raw files (README, Adding a task)."""
@@ -95,7 +97,6 @@ class TaskParams(Section):
     submission: SubmissionParams = Field(description="Its CS224N submission file.")
 
     _fits_the_kind = model_validator(mode="after")(task_fits_its_kind)
-
 
 
 class TokenizeParams(Section):

@@ -41,6 +41,7 @@ def every_task(cls, value: Any, info: ValidationInfo) -> Any:
 
 
 def check_task_names(tasks: dict) -> dict:
+    """At least one task, each named with letters, digits, '_' and '-'."""
     if not tasks:
         raise ValueError(": expected at least one task declaration")
     for name in tasks:
