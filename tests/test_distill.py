@@ -23,16 +23,17 @@ from mtbert.params import HeadParams, ParamsError
 from mtbert.params_file import parse_params
 from mtbert.runtime import MissingInputError, UserError
 from mtbert.training.distillation import Distillation
-from mtbert.training.losses import task_loss
+from mtbert.training.losses import Distilled, kind_losses, task_loss
 from tests.conftest import REPO_ROOT, TASKS, make_params
 
 HEADS = {"sst": HeadParams(), "qqp": HeadParams(encoding="cross", combine="features"),
          "sts": HeadParams(encoding="cross", combine="features", target="raw")}
-STUDENT = types.SimpleNamespace(tasks=TASKS, head_params=HEADS)  # what Distillation.loss asks of a model
+STUDENT = types.SimpleNamespace(tasks=TASKS, head_params=HEADS)  # what kind_losses asks of a model
 
 
-def blend(alpha: float, temperature: float = 1.0) -> Distillation:
-    return Distillation(teacher={}, alpha=alpha, temperature=temperature)
+def blend(alpha: float, temperature: float = 1.0) -> dict[str, Distilled]:
+    """Each task's student loss with this blend, as the objective calls it."""
+    return Distillation(teacher={}, alpha=alpha, temperature=temperature).losses(kind_losses(STUDENT))
 
 
 # --- the losses -------------------------------------------------------------------------------------------
@@ -40,7 +41,7 @@ def test_at_temperature_1_the_blend_is_the_cross_entropy_against_the_blended_tar
     torch.manual_seed(0)
     outputs, teacher = torch.randn(4, 5), torch.softmax(torch.randn(4, 5), -1)
     labels = torch.tensor([0, 3, 4, 1])
-    loss = blend(0.3).loss(STUDENT, "sst", outputs, {"teacher": teacher, "labels": labels})
+    loss = blend(0.3)["sst"](outputs, {"teacher": teacher, "labels": labels})
     targets = 0.3 * teacher + 0.7 * F.one_hot(labels, 5).float()
     assert loss.item() == pytest.approx(F.cross_entropy(outputs, targets).item(), rel=1e-5)
 
@@ -52,7 +53,7 @@ def test_a_student_that_agrees_with_its_teacher_gets_no_gradient_from_it(tempera
                                       ("qqp", torch.randn(4), torch.sigmoid)):
         outputs.requires_grad_(True)
         batch = {"teacher": teacher_of(outputs.detach()), "labels": torch.zeros(4)}
-        blend(1.0, temperature).loss(STUDENT, task, outputs, batch).backward()
+        blend(1.0, temperature)[task](outputs, batch).backward()
         assert torch.allclose(outputs.grad, torch.zeros_like(outputs), atol=1e-6), task
 
 
@@ -63,7 +64,7 @@ def test_times_t_squared_the_gradient_keeps_its_size_as_the_temperature_rises():
     for temperature in (4.0, 8.0, 16.0):
         outputs = torch.zeros(64, 5, requires_grad=True)  # a uniform student
         batch = {"teacher": teacher, "labels": torch.zeros(64)}
-        blend(1.0, temperature).loss(STUDENT, "sst", outputs, batch).backward()
+        blend(1.0, temperature)["sst"](outputs, batch).backward()
         sizes[temperature] = outputs.grad.norm().item()
     # softer targets, but T * (p_T - q_T) tends to the logit difference / C: without T^2, / 16 from T 4 to 16
     assert sizes[16.0] == pytest.approx(sizes[4.0], rel=0.1) and sizes[8.0] == pytest.approx(sizes[4.0], rel=0.1)
@@ -72,7 +73,7 @@ def test_times_t_squared_the_gradient_keeps_its_size_as_the_temperature_rises():
 def test_regression_blends_the_scores_and_ignores_the_temperature():
     outputs = torch.tensor([1.0, 2.0, 4.0], requires_grad=True)
     teacher, gold = torch.tensor([2.0, 2.0, 3.0]), torch.tensor([0.0, 4.0, 5.0])
-    blend(0.25, temperature=3.0).loss(STUDENT, "sts", outputs, {"teacher": teacher, "labels": gold}).backward()
+    blend(0.25, temperature=3.0)["sts"](outputs, {"teacher": teacher, "labels": gold}).backward()
     expected = outputs.detach().clone().requires_grad_(True)
     F.mse_loss(expected, 0.25 * teacher + 0.75 * gold).backward()  # the same up to a constant
     assert torch.allclose(outputs.grad, expected.grad)

@@ -3,7 +3,6 @@ size and kinds of rows; and a student's loss over a batch of training and transf
 
 import json
 import shutil
-import types
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ from mtbert.data.batches import load_split
 from mtbert.data.transfer import TrainingText, transfer_rows
 from mtbert.params import HeadParams, TransferParams
 from mtbert.training.distillation import Distillation
+from mtbert.training.losses import task_loss
 from stages.transfer import app
 from tests.conftest import TASKS, make_params
 
@@ -117,20 +117,19 @@ def test_switched_off_the_stage_writes_empty_tables(tmp_path, tiny_backbone, tin
 
 # --- the student's loss over training and transfer rows ---------------------------------------------------------
 HEADS = {"sst": HeadParams(), "sts": HeadParams(encoding="cross", combine="features", target="raw")}
-STUDENT = types.SimpleNamespace(tasks=TASKS, head_params=HEADS)
 
 
 def test_a_transfer_row_is_taught_only_and_a_batch_is_the_mean_over_its_rows():
-    distillation = Distillation(teacher={}, alpha=0.25, temperature=1.0, transfer_weight=2.0)
+    student_loss = Distillation(teacher={}, alpha=0.25, temperature=1.0, transfer_weight=2.0).losses(
+        {"sts": task_loss(TASKS["sts"], HEADS["sts"])})["sts"]
     outputs = torch.tensor([1.0, 2.0, 4.0, 0.0])
     teacher, labels = torch.tensor([2.0, 2.0, 3.0, 1.0]), torch.tensor([0.0, 4.0, float("nan"), float("nan")])
     gold = torch.tensor([True, True, False, False])
-    loss = distillation.loss(STUDENT, "sts", outputs, {"teacher": teacher, "labels": labels, "gold": gold})
+    loss = student_loss(outputs, {"teacher": teacher, "labels": labels, "gold": gold})
     per_row = [0.25 * (1 - 2) ** 2 + 0.75 * (1 - 0) ** 2, 0.25 * 0 + 0.75 * (2 - 4) ** 2,
                2.0 * (4 - 3) ** 2, 2.0 * (0 - 1) ** 2]
     assert loss.item() == pytest.approx(np.mean(per_row))
-    only_transfer = distillation.loss(STUDENT, "sts", outputs[2:], {"teacher": teacher[2:], "labels": labels[2:],
-                                                                    "gold": gold[2:]})
+    only_transfer = student_loss(outputs[2:], {"teacher": teacher[2:], "labels": labels[2:], "gold": gold[2:]})
     assert only_transfer.item() == pytest.approx(np.mean(per_row[2:]))
 
 

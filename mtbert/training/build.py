@@ -163,9 +163,8 @@ def step_hooks(p: TrainParams, model: MultitaskModel, ranks: Ranks, device: torc
 def make_objective(model: MultitaskModel, params: SmartParams, device: torch.device, bf16: bool, seed: int,
                    losses: dict | None = None) -> Objective:
     """The plain objective, or the regularised one where smart.* turns a term on (a task's lambda, or mu)."""
-    if params.mu > 0 or any(params.task_weight(task) > 0 for task in model.tasks):
-        return Regularised(model, params, device, bf16, seed, losses)
-    return Objective(model, device, bf16, losses)
+    regularised = Regularised(model, params, device, bf16, seed, losses)  # builds only the terms that are on
+    return regularised if regularised.terms else Objective(model, device, bf16, losses)
 
 
 def snapshot_splits(p: TrainParams, tokenized: Path, task: Task, dev: TaskSplit) -> dict[str, TaskSplit]:

@@ -21,7 +21,7 @@ import torch
 
 from mtbert.data.batches import TaskSplit, TokenColumn
 from mtbert.runtime import UserError
-from mtbert.training.losses import Distilled, KindLoss, task_loss
+from mtbert.training.losses import Distilled, KindLoss
 
 
 @dataclasses.dataclass
@@ -81,10 +81,6 @@ class Distillation:
         """Each task's loss unit blended with this teacher (training/losses.py, `Distilled`)."""
         return {task: Distilled(unit, self.alpha, self.temperature, self.transfer_weight)
                 for task, unit in units.items()}
-
-    def loss(self, model, task: str, outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The student's batch-mean loss of one task's outputs."""
-        return self.losses({task: task_loss(model.tasks[task], model.head_params[task])})[task](outputs, batch)
 
     def fingerprint(self, run_fingerprint: str) -> str:
         """The run's fingerprint (params and data) with the teacher and the blend, so a checkpoint of another

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from tqdm.auto import tqdm
 
 from mtbert.data.batches import micro_batches, on_device, padding_free_tokens
@@ -33,7 +32,7 @@ from mtbert.training.build import FineTuning, prepare, run_fingerprint, schedule
 from mtbert.training.distillation import Distillation
 from mtbert.training.distributed import setup_process, shard, shutdown
 from mtbert.training.epoch_end import end_epoch, log_epoch
-from mtbert.training.loop import Paths, finish
+from mtbert.training.loop import Paths, clip_and_step, finish
 from mtbert.training.progress import Progress, checkpoint, resume
 from mtbert.training.publish import parameter_count, publish, summary
 
@@ -147,11 +146,7 @@ def update(run: FineTuning, progress: Progress) -> None:
     what follows the weights (by default the moving average)."""
     for hook in run.hooks.before_update:
         hook()
-    if run.train.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.train.grad_clip)
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    clip_and_step(run.model, run.optimizer, run.scheduler, run.train.grad_clip)  # as the masked-LM loop's update
     for hook in run.hooks.after_update:  # by default train.ema's average: avg += (1 - d) / (1 - d^t) * (w - avg)
         hook(run.model)
     progress.updates += 1
