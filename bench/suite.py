@@ -180,7 +180,9 @@ def non_embedding_parameters(run: FineTuning) -> float:
     per_task = []
     for task in run.tasks:
         modules = [*run.model.encoders.for_task(task), run.model.heads[task]]
-        unique = {id(p): p for module in modules for n, p in module.named_parameters() if "embeddings" not in n}
+        input_side = run.model.family.depth_zero  # the embeddings (and MPNet's position bias table)
+        unique = {id(p): p for module in modules for n, p in module.named_parameters()
+                  if not any(part in n for part in input_side)}
         per_task.append(sum(p.numel() for p in unique.values()))
     return sum(per_task) / len(per_task)
 

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from mtbert.data.batches import TaskSplit, TokenColumn
+from mtbert.data.batches import TaskSplit, split_of_table
 from mtbert.data.rawdata import clean_text
 from mtbert.data.tasks import Task
 from mtbert.data.tokenization import encode_rows
@@ -46,11 +46,7 @@ __all__ = ["EnsemblePredictor", "InputError", "Predictor", "Text", "check_texts"
 
 def split_of(table, task: Task) -> TaskSplit:
     """A tokenized table (as `encode_rows` makes it) as a TaskSplit, the way `load_split` reads its Parquet."""
-    columns = [name for name in ("input_ids", "token_type_ids", "input_ids_1", "input_ids_2")
-               if name in table.column_names]
-    return TaskSplit(task=task, ids=np.asarray(table.column("id").to_pylist(), dtype=object),
-                     labels=np.full(table.num_rows, np.nan),
-                     tokens={name: TokenColumn.from_arrow(table.column(name)) for name in columns})
+    return split_of_table(table, task, np.full(table.num_rows, np.nan))
 
 
 def describe(task: Task, values: np.ndarray) -> list[dict]:

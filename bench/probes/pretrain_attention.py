@@ -21,8 +21,9 @@ import typer
 
 from bench.common import alternate_blocks
 from mtbert import io
+from mtbert.model.families import family_of
 from mtbert.params_file import load_params
-from mtbert.runtime import setup_logging
+from mtbert.runtime import UserError, run_app, setup_logging
 from mtbert.training import masked_lm
 from mtbert.training.distributed import setup_process
 from mtbert.training.loop import Paths
@@ -58,6 +59,9 @@ def main(steps: int = typer.Option(48, help="timed steps per attention implement
                       live_dir=folder / "live", checkpoints=folder / "checkpoints")
         ranks, device = setup_process(params.pretrain.seed, params.runtime.threads)
         run = masked_lm.prepare(params, paths, ranks, device, fingerprint="probe")
+        if not family_of(run.model.config).switchable_attention:
+            raise UserError(f"model.name {params.model.name!r} ({run.model.config.model_type}) has one attention "
+                            "implementation: nothing to compare (mtbert/model/families.py)")
         progress = masked_lm.Progress.start()
         arms = {name: timed_steps(run, progress, name) for name in ARMS}
         times = alternate_blocks(arms, list(range(block + steps)), block)
@@ -75,4 +79,4 @@ def report(times: dict[str, list[float]], json_out: Path | None) -> None:
 
 
 if __name__ == "__main__":
-    app()
+    run_app(app)

@@ -17,7 +17,8 @@ import torch
 
 from mtbert import io
 from mtbert.data.tasks import Task, tokenized_path
-from mtbert.runtime import MissingInputError
+from mtbert.data.tokenization import PAD_ID_KEY
+from mtbert.runtime import MissingInputError, UnreadableInputError
 
 
 def padded_width(longest: int, multiple: int = 1) -> int:
@@ -73,9 +74,9 @@ class TokenColumn:
         gather = np.repeat(self.offsets[rows] - offsets[:-1], lengths) + np.arange(offsets[-1])
         return TokenColumn(self.values[gather], offsets)
 
-    def padded_to(self, rows: np.ndarray, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def padded_to(self, rows: np.ndarray, max_length: int, pad_value: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Like `padded`, but rows longer than max_length are cut and keep their last token (e.g. [SEP])."""
-        ids, mask = self.padded(rows)
+        ids, mask = self.padded(rows, pad_value)
         if ids.shape[1] <= max_length:
             return ids, mask
         ids, mask = ids[:, :max_length].clone(), mask[:, :max_length]
@@ -97,11 +98,12 @@ class TokenColumn:
 
 @dataclasses.dataclass
 class TaskSplit:
-    """One task's split: ids, labels (NaN when unlabeled) and token columns."""
+    """One task's split: ids, labels (NaN when unlabeled), token columns and the id they are padded with."""
     task: Task
     ids: np.ndarray
     labels: np.ndarray
     tokens: dict[str, TokenColumn]
+    pad_id: int = 0
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -118,10 +120,10 @@ class TaskSplit:
         batch = {"labels": torch.from_numpy(self.labels[rows])}
         if encoding == "bi":
             for side in ("1", "2"):
-                ids, mask = self.tokens[f"input_ids_{side}"].padded(rows, multiple=multiple)
+                ids, mask = self.tokens[f"input_ids_{side}"].padded(rows, self.pad_id, multiple)
                 batch[f"input_ids_{side}"], batch[f"attention_mask_{side}"] = ids, mask
         else:
-            batch["input_ids"], batch["attention_mask"] = self.tokens["input_ids"].padded(rows, multiple=multiple)
+            batch["input_ids"], batch["attention_mask"] = self.tokens["input_ids"].padded(rows, self.pad_id, multiple)
             batch["token_type_ids"], _ = self.tokens["token_type_ids"].padded(rows, multiple=multiple)
         return batch
 
@@ -152,12 +154,22 @@ def load_split(tokenized_dir: Path | str, task: Task, split: str, max_examples: 
                             "tokenize` again (or `dvc checkout data/tokenized` to restore it)")
     if max_examples:
         table = table.slice(0, max_examples)
+    labels = table.column("label").to_numpy(zero_copy_only=False).astype(np.float64)  # null -> NaN
+    return split_of_table(table, task, labels, path)
+
+
+def split_of_table(table: pa.Table, task: Task, labels: np.ndarray, where: Path | str = "") -> TaskSplit:
+    """A tokenized table (as `encode_rows` makes it) as a TaskSplit, padded with the id its tokenizer pads
+    with (0 for a table written before that was recorded: every such table is BERT's)."""
     token_columns = [name for name in ("input_ids", "token_type_ids", "input_ids_1", "input_ids_2")
                      if name in table.column_names]
-    labels = table.column("label").to_numpy(zero_copy_only=False).astype(np.float64)  # null -> NaN
-    return TaskSplit(task=task, ids=np.asarray(table.column("id").to_pylist(), dtype=object),
-                     labels=labels, tokens={name: TokenColumn.from_arrow(table.column(name))
-                                            for name in token_columns})
+    recorded = (table.schema.metadata or {}).get(PAD_ID_KEY, b"0")
+    if not recorded.isdigit():
+        raise UnreadableInputError(f"{where or 'a tokenized table'}: its {PAD_ID_KEY.decode()} is {recorded!r}, "
+                                   "expected the tokenizer's pad id; run `dvc repro tokenize` again")
+    return TaskSplit(task=task, ids=np.asarray(table.column("id").to_pylist(), dtype=object), labels=labels,
+                     tokens={name: TokenColumn.from_arrow(table.column(name)) for name in token_columns},
+                     pad_id=int(recorded))
 
 
 def split_columns(task: Task) -> tuple[str, ...]:

@@ -29,6 +29,7 @@ class MaskingVocab:
     special: torch.Tensor  # (vocab,) bool: never chosen, never drawn as a random replacement
     continuation: torch.Tensor  # (vocab,) bool: a piece that continues the previous token's word
     ordinary_ids: torch.Tensor  # the ids random replacements are drawn from
+    pad_id: int = 0  # what batches are padded with (BERT 0, MPNet 1)
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> MaskingVocab:
@@ -40,7 +41,7 @@ class MaskingVocab:
         pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
         continuation = torch.tensor([piece.startswith(WORDPIECE_CONTINUATION) for piece in pieces])
         return cls(mask_id=tokenizer.mask_token_id, special=special, continuation=continuation,
-                   ordinary_ids=torch.nonzero(~special).squeeze(1))
+                   ordinary_ids=torch.nonzero(~special).squeeze(1), pad_id=tokenizer.pad_token_id or 0)
 
 
 def mask_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab: MaskingVocab, *,

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from mtbert.data.tasks import Task
 
 TOKEN_LIST = pa.list_(pa.int32())
+PAD_ID_KEY = b"mtbert.pad_id"  # the schema metadata naming the tokenizer's padding id (BERT 0, MPNet 1)
 SINGLE_IDS_COLUMNS = ("input_ids_1", "input_ids_2")  # each sentence of a pair alone
 
 
@@ -50,7 +51,7 @@ def encode_rows(tokenizer, rows, task: Task, *, max_length: int, batch_size: int
             stats.truncated_sentences += int(np.sum(lengths + specials_single > max_length))
     else:
         stats.truncated = int(np.sum(raw_lengths[0] + specials_single > max_length))
-    return pa.table(columns), stats
+    return pa.table(columns, metadata={PAD_ID_KEY: str(tokenizer.pad_token_id)}), stats
 
 
 def _label_array(rows, task: Task) -> pa.Array:

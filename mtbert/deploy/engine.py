@@ -98,6 +98,10 @@ class OnnxPredictor:
         # `auto` in an ensemble's member: int8 for the tasks where the export found it good enough
         self.task_engines = manifest.get("task_engines", {}) if engine == "auto" else {}
         self.tokenizer = load_tokenizer(folder / manifest["tokenizer"], manifest["max_length"])
+        self.pad_id = manifest.get("pad_id", 0)  # an export from before it was recorded is BERT's: 0
+        if not isinstance(self.pad_id, int) or isinstance(self.pad_id, bool):
+            raise ExportFolderError(f"{where}: pad_id is {self.pad_id!r}, expected the encoder's pad id (an integer), "
+                                    "as `mtbert export` writes it")
         self.sessions: dict[str, object] = {}
 
     @classmethod
@@ -149,7 +153,7 @@ class OnnxPredictor:
         result = np.empty(0, dtype=np.float64)  # replaced by the first batch's shape
         for start in range(0, len(order), self.batch_size):
             rows = order[start:start + self.batch_size]
-            feed = batch_feed(task.encoding, tokens, rows)
+            feed = batch_feed(task.encoding, tokens, rows, self.pad_id)
             output = session.run(None, {name: feed[name] for name in names})[0]
             if start == 0:
                 result = np.empty((len(order), *output.shape[1:]), dtype=np.float64)
@@ -306,9 +310,9 @@ def row_lengths(rows: list[Sequence[int]]) -> np.ndarray:
     return np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
 
 
-def padded(rows: list[Sequence[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, attention mask), each (len(rows), width), padded with 0 as the PyTorch engine pads."""
-    ids = np.zeros((len(rows), width), dtype=np.int64)
+def padded(rows: list[Sequence[int]], width: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, attention mask), each (len(rows), width), padded with `pad_id` as the PyTorch engine pads."""
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
     mask = np.zeros((len(rows), width), dtype=np.int64)
     for index, row in enumerate(rows):
         ids[index, :len(row)] = row
@@ -316,16 +320,18 @@ def padded(rows: list[Sequence[int]], width: int) -> tuple[np.ndarray, np.ndarra
     return ids, mask
 
 
-def batch_feed(encoding: str, tokens: dict[str, list[Sequence[int]]], rows: np.ndarray) -> dict[str, np.ndarray]:
-    """A batch's graph inputs, each padded to its longest row (a bi-encoder's two sentences each to their own)."""
+def batch_feed(encoding: str, tokens: dict[str, list[Sequence[int]]], rows: np.ndarray,
+               pad_id: int = 0) -> dict[str, np.ndarray]:
+    """A batch's graph inputs, each padded to its longest row (a bi-encoder's two sentences each to their own)
+    with the encoder's pad id; token types for every encoder (a graph of a family without them ignores them)."""
     feed = {}
     if encoding == "bi":
         for side in ("1", "2"):
             ids = [tokens[f"input_ids_{side}"][row] for row in rows]
-            feed[f"input_ids_{side}"], feed[f"attention_mask_{side}"] = padded(ids, max(map(len, ids)))
+            feed[f"input_ids_{side}"], feed[f"attention_mask_{side}"] = padded(ids, max(map(len, ids)), pad_id)
         return feed
     ids = [tokens["input_ids"][row] for row in rows]
     width = max(map(len, ids))
-    feed["input_ids"], feed["attention_mask"] = padded(ids, width)
+    feed["input_ids"], feed["attention_mask"] = padded(ids, width, pad_id)
     feed["token_type_ids"], _ = padded([tokens["token_type_ids"][row] for row in rows], width)
     return feed

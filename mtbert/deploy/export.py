@@ -6,10 +6,10 @@ and the task's own, from the epoch the task kept), pooling, head and the kind's 
 probabilities, P(label 1), or the score); for a bi-encoder both sentences through the encoder and their
 combination. torch's TorchScript exporter writes it (`torch.onnx.export(dynamo=False)`), with dynamic
 batch and sequence axes and the encoder's attention in its eager form, and ONNX Runtime's transformer
-optimizer then fuses each layer into its own BERT kernels (Attention, SkipLayerNormalization, BiasGelu,
-EmbedLayerNormalization). The torch.export-based exporter's graph of the same model (sdpa or eager) gets
-no Attention fusion: its masking is a different pattern of ops, which the optimizer does not recognise, and
-a one-sentence call then runs about a hundred small ops. ONNX Runtime then runs each graph, through the
+optimizer then fuses what it recognises into its own kernels; the encoder family names the fusions that
+must be found (mtbert/model/families.py: SkipLayerNormalization and BiasGelu; with transformers 5.24 and
+ONNX Runtime 1.32 no Attention pattern is found in either family's graph, docs/inference.md). The
+graphs take the family's inputs (no token types for MPNet). ONNX Runtime then runs each graph, through the
 engine that deploys it (mtbert/deploy/engine.py), on the first `export.check_rows` dev rows beside
 PyTorch; a value that differs by more than `export.tolerance` fails the export, naming the task.
 
@@ -53,9 +53,6 @@ from mtbert.runtime import UserError
 log = logging.getLogger("export")
 
 TOKENIZER_FILE = "tokenizer.json"
-GRAPH_INPUTS = {"single": ("input_ids", "attention_mask", "token_type_ids"),
-                "cross": ("input_ids", "attention_mask", "token_type_ids"),
-                "bi": ("input_ids_1", "attention_mask_1", "input_ids_2", "attention_mask_2")}
 # Two rows of different lengths, so the traced graph pads and masks as real batches do.
 EXAMPLE_ROWS = [("A gorgeous, witty film that never slows down.", "A witty film."),
                 ("Dull.", "Far too long, and dull, with a plot that goes nowhere.")]
@@ -74,7 +71,7 @@ class TaskGraph(nn.Module):
         super().__init__()
         self.model, self.task = model, task
 
-    def forward(self, input_ids, attention_mask, token_type_ids):
+    def forward(self, input_ids, attention_mask, token_type_ids=None):  # none for a family without token types
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
         return self.model.predictions(self.task, self.model(self.task, batch))
 
@@ -134,12 +131,14 @@ def write_fp32(model: nn.Module, model_dir: Path, config: dict, folder: Path, op
         encoding = encoding_of(model, name)
         log.info("%s: exporting the %s graph", name, encoding)
         export_graph(model, name, encoding, tokenizer, folder / f"{name}.onnx", opset)
-        entries[name] = task_entry(task, encoding, name in params["data"]["unescape_ptb"])
+        entries[name] = task_entry(task, encoding, model.family.graph_inputs(encoding),
+                                   name in params["data"]["unescape_ptb"])
     manifest = {"format": EXPORT_FORMAT,
                 "source": {"model": str(model_dir), "variant": config.get("variant"),
                            "task_epochs": config.get("task_epochs")},
                 "max_length": params["tokenize"]["max_length"], "truncation": "longest_first",
-                "tokenizer": TOKENIZER_FILE, "opset": opset, "default_engine": "onnx", "tasks": entries}
+                "tokenizer": TOKENIZER_FILE, "pad_id": model.family.pad_id, "opset": opset,
+                "default_engine": "onnx", "tasks": entries}
     write_manifest(folder, manifest)
     return manifest
 
@@ -174,10 +173,10 @@ def write_tokenizer(model_dir: Path, config: dict, path: Path) -> None:
     backend.save(str(path))
 
 
-def task_entry(task: Task, encoding: str, unescape_ptb: bool) -> dict:
+def task_entry(task: Task, encoding: str, inputs: tuple[str, ...], unescape_ptb: bool) -> dict:
     """A task's manifest entry: what the engine needs to read its texts and describe its predictions."""
     return {"kind": task.kind.name, "columns": task.kind.value_columns(), "text": list(task.text_columns),
-            "encoding": encoding, "inputs": list(GRAPH_INPUTS[encoding]), "output": "prediction",
+            "encoding": encoding, "inputs": list(inputs), "output": "prediction",
             "clean": {"strip": True, "replace": [list(pair) for pair in PTB_ESCAPES.items()] if unescape_ptb else []},
             "graphs": {"onnx": f"{task.name}.onnx"}}
 
@@ -186,15 +185,16 @@ def export_graph(model: nn.Module, task: str, encoding: str, tokenizer, path: Pa
     """The task's ONNX graph, batch and sequence axes dynamic, traced on EXAMPLE_ROWS, its layers fused."""
     own = model.for_task(task) if isinstance(model, TaskSnapshots) else model
     graph = (PairGraph if encoding == "bi" else TaskGraph)(own, task).eval()
-    names = GRAPH_INPUTS[encoding]
+    family = own.family
+    names = family.graph_inputs(encoding)
     tokens = encode(tokenizer, encoding, EXAMPLE_ROWS)
-    feed = batch_feed(encoding, tokens, np.arange(len(EXAMPLE_ROWS)))
-    # eager: explicit matmuls, softmax and mask, the form ONNX Runtime's optimizer fuses into its Attention kernel
+    feed = batch_feed(encoding, tokens, np.arange(len(EXAMPLE_ROWS)), family.pad_id)
+    # eager: explicit matmuls, softmax and mask, the form ONNX Runtime's optimizer looks for (its Attention kernel)
     with attention_implementation(own, "eager"), quiet_exporter(), torch.no_grad():
         torch.onnx.export(graph, tuple(torch.from_numpy(feed[name]) for name in names), str(path), dynamo=False,
                           input_names=list(names), output_names=["prediction"], opset_version=opset,
                           dynamic_axes=dynamic_axes(names))
-    fuse_layers(path, encoder_config(own))
+    fuse_layers(path, encoder_config(own), family.fusions)
 
 
 def dynamic_axes(names: tuple[str, ...]) -> dict[str, dict]:
@@ -206,9 +206,10 @@ def encoder_config(model: nn.Module):
     return next(module for module in model.modules() if isinstance(module, PreTrainedModel)).config
 
 
-def fuse_layers(path: Path, config) -> None:
+def fuse_layers(path: Path, config, expected: tuple[str, ...]) -> None:
     """Rewrite the graph at `path` with ONNX Runtime's BERT fusions (the rewrite keeps every value; the
-    export's parity check against PyTorch runs on the fused graph)."""
+    export's parity check against PyTorch runs on the fused graph); each of the family's `expected` fused
+    operators must be found, or a change of library would leave the graph unfused, unnoticed."""
     from onnxruntime.transformers.optimizer import optimize_model
 
     with quiet_exporter():
@@ -216,6 +217,10 @@ def fuse_layers(path: Path, config) -> None:
                                hidden_size=config.hidden_size)
     counts = {name: count for name, count in fused.get_fused_operator_statistics().items() if count}
     log.info("%s: fused %s", path.name, ", ".join(f"{count} {name}" for name, count in counts.items()))
+    missing = [name for name in expected if name not in counts]
+    if missing:
+        raise ExportError(f"{path.name}: ONNX Runtime's optimizer fused no {', '.join(missing)} into the "
+                          f"{config.model_type} graph (expected {', '.join(expected)}: mtbert/model/families.py)")
     fused.save_model_to_file(str(path))
 
 
@@ -250,7 +255,7 @@ def token_lists(split: TaskSplit, encoding: str, rows: int | None = None) -> dic
 def first_rows(split: TaskSplit, rows: int) -> TaskSplit:
     keep = np.arange(min(rows, len(split)))
     return TaskSplit(task=split.task, ids=split.ids[keep], labels=split.labels[keep],
-                     tokens={name: column.take(keep) for name, column in split.tokens.items()})
+                     tokens={name: column.take(keep) for name, column in split.tokens.items()}, pad_id=split.pad_id)
 
 
 def check_parity(model: nn.Module, folder: Path, task: str, dev: TaskSplit, options: ExportParams,

@@ -24,17 +24,23 @@ from pathlib import Path
 from torch import nn
 
 from mtbert.model.dropout import EAGER_ATTENTION
+from mtbert.model.families import family_of
 
 ARCHS = ("shared", "cerbertus", "independent", "shared+independent", "static")
 SHARED_DIR = "encoder"
 
 
 def replicate_top(encoder: nn.Module, task_layers: int) -> nn.Module:
-    """A copy of `encoder` that owns its top `task_layers` layers and pooler and shares everything else."""
+    """A copy of `encoder` that owns its top `task_layers` layers and pooler and shares everything else: the
+    embeddings, the lower layers and what every layer reads (its family's `shared_parts`, e.g. MPNet's
+    relative-position bias)."""
     tower = copy.deepcopy(encoder)
     num_layers = encoder.config.num_hidden_layers
     if task_layers < num_layers:
         tower.embeddings = encoder.embeddings
+        for path in family_of(encoder.config).shared_parts:
+            owner, _, name = path.rpartition(".")
+            setattr(tower.get_submodule(owner), name, encoder.get_submodule(path))
     for index in range(num_layers - task_layers):
         tower.encoder.layer[index] = encoder.encoder.layer[index]
     if task_layers == 0 and getattr(encoder, "pooler", None) is not None:
@@ -43,11 +49,15 @@ def replicate_top(encoder: nn.Module, task_layers: int) -> nn.Module:
 
 
 def attention_for(encoder: nn.Module) -> str:
-    """The attention implementation for the encoder's mode and device. PyTorch's fused attention (`sdpa`)
+    """The attention implementation for the encoder's mode and device: its family's own where it cannot be
+    switched (MPNet: eager, always). For BERT, PyTorch's fused attention (`sdpa`)
     has no CPU kernel with dropout: a CPU encoder training with attention dropout would run sdpa's unfused
     math path, which is slower than the encoder's own eager attention. That one runs instead, with
     mtbert/model/dropout.py's cheaper masks (`mtbert-eager`) where the encoder takes a registered attention
     function. Everything else (evaluation, prediction, training on a GPU) keeps the fused kernels."""
+    family = family_of(encoder.config)
+    if not family.switchable_attention:
+        return family.attention
     on_cpu = next(encoder.parameters()).device.type == "cpu"
     dropout = getattr(encoder.config, "attention_probs_dropout_prob", 0.0) > 0  # a BERT-family config
     if not (encoder.training and on_cpu and dropout):
@@ -65,8 +75,10 @@ def match_attention_to_mode(encoder: nn.Module) -> None:
 
 @contextlib.contextmanager
 def attention_implementation(model: nn.Module, implementation: str) -> Iterator[None]:
-    """Every transformers encoder in `model` with this attention implementation inside; their own after."""
-    encoders = [module for module in model.modules() if hasattr(module, "set_attn_implementation")]
+    """Every transformers encoder in `model` whose family can switch (mtbert/model/families.py) with this
+    attention implementation inside; their own after."""
+    encoders = [module for module in model.modules() if hasattr(module, "set_attn_implementation")
+                and family_of(module.config).switchable_attention]
     before = [encoder.config._attn_implementation for encoder in encoders]
     for encoder in encoders:
         encoder.set_attn_implementation(implementation)

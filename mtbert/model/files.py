@@ -65,15 +65,22 @@ def check_weights_folder(folder: Path, remedy: str = RESTORE) -> None:
         check_safetensors(weights, remedy)
 
 
-def load_local_encoder(folder: Path, remedy: str = RESTORE, **kwargs):
-    """A save_pretrained encoder from a local folder, its files checked first."""
+def load_local_encoder(folder: Path, remedy: str = RESTORE, name: str = "", **kwargs):
+    """A save_pretrained encoder from a local folder, its files checked first, with its family's attention
+    (mtbert/model/families.py; an unknown family fails naming `name`, model.name, or else the folder)."""
     from safetensors import SafetensorError
-    from transformers import AutoModel
+    from transformers import AutoConfig, AutoModel
+
+    from mtbert.model.families import family_of
 
     check_weights_folder(folder, remedy)
     try:
-        return AutoModel.from_pretrained(folder, **kwargs)
+        config = AutoConfig.from_pretrained(folder)
+        family = family_of(config, name or str(folder))
+        return AutoModel.from_pretrained(folder, config=config, attn_implementation=family.attention, **kwargs)
     except (OSError, ValueError, KeyError, SafetensorError) as error:
+        if isinstance(error, UserError):
+            raise
         raise ModelFolderError(f"{folder}: cannot load the encoder saved there ({type(error).__name__}: "
                                f"{first_line(error)}); expected a folder `save_pretrained` wrote: {remedy}") from error
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from mtbert.data.tasks import Task
 from mtbert.model.architectures import TaskEncoders
+from mtbert.model.families import family_of
 from mtbert.model.heads import CosineHead, MLPHead, RoutedHead, VectorRouting, is_cosine
 from mtbert.model.pooling import pool
 from mtbert.params import HeadParams
@@ -27,6 +28,7 @@ class MultitaskModel(nn.Module):
         super().__init__()
         self.tasks = tasks
         self.encoders = TaskEncoders(encoder, list(tasks), arch, task_layers)
+        self.family = family_of(encoder.config)
         self.head_params = heads
         dim = encoder.config.hidden_size
         width = self.encoders.width
@@ -43,7 +45,7 @@ class MultitaskModel(nn.Module):
         or the whole embeddings module, after LayerNorm (`embeddings`); and the padding token id."""
         encoder = self.encoders.for_task(task)[0]
         site = encoder.get_input_embeddings() if where == "words" else encoder.embeddings
-        return site, encoder.config.pad_token_id
+        return site, self.family.pad_id
 
     def parameter_owners(self) -> dict[str, str]:
         """The task that alone uses each parameter, by name: its head, and the encoder layers of its own
@@ -79,16 +81,18 @@ class MultitaskModel(nn.Module):
         if pooling == "routing":
             return self._route(task, input_ids, attention_mask, token_type_ids)
         pooled = []
+        types = self.family.encoder_inputs(token_type_ids)  # none for a family without token types (MPNet)
         for encoder in self.encoders.for_task(task):
-            output = encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+            output = encoder(input_ids=input_ids, attention_mask=attention_mask, **types)
             pooled.append(pool(pooling, output.last_hidden_state, attention_mask,
                                getattr(output, "pooler_output", None)))
         return pooled[0] if len(pooled) == 1 else torch.cat(pooled, -1)
 
     def _route(self, task: str, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
         """The token vectors of the task's encoder(s), side by side, routed by its head: (B, n_out * d_out)."""
-        states = [encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
-                  .last_hidden_state for encoder in self.encoders.for_task(task)]
+        types = self.family.encoder_inputs(token_type_ids)
+        states = [encoder(input_ids=input_ids, attention_mask=attention_mask, **types).last_hidden_state
+                  for encoder in self.encoders.for_task(task)]
         return self.heads[task].pool(torch.cat(states, -1), attention_mask)
 
     def forward(self, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -104,10 +108,11 @@ class MultitaskModel(nn.Module):
         return self.tasks[task].kind.head_output(out, params, cosine)
 
     def _embed_pair(self, task: str, batch, pooling: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both sentences through the encoder in one call of 2B rows."""
+        """Both sentences through the encoder in one call of 2B rows, padded with the family's pad id."""
         ids_1, ids_2 = batch["input_ids_1"], batch["input_ids_2"]
-        width = max(ids_1.shape[1], ids_2.shape[1])
-        ids = torch.cat([F.pad(ids_1, (0, width - ids_1.shape[1])), F.pad(ids_2, (0, width - ids_2.shape[1]))])
+        width, pad = max(ids_1.shape[1], ids_2.shape[1]), self.family.pad_id
+        ids = torch.cat([F.pad(ids_1, (0, width - ids_1.shape[1]), value=pad),
+                         F.pad(ids_2, (0, width - ids_2.shape[1]), value=pad)])
         mask = torch.cat([F.pad(batch["attention_mask_1"], (0, width - ids_1.shape[1])),
                           F.pad(batch["attention_mask_2"], (0, width - ids_2.shape[1]))])
         pooled = self.embed(task, ids, mask, pooling)

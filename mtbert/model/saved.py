@@ -74,15 +74,16 @@ def write_checksums(model_dir: Path) -> None:
 class TaskSnapshots(nn.Module):
     """A trained variant whose tasks come from different epochs: each task runs on its epoch's snapshot.
 
-    It answers what `predict_split` and the stages ask of a MultitaskModel: `tasks`, `encoding(task)`,
-    `forward(task, batch)` and `predictions(task, outputs)`.
+    It answers what `predict_split` and the stages ask of a MultitaskModel: `tasks`, `family`,
+    `encoding(task)`, `forward(task, batch)` and `predictions(task, outputs)`.
     """
 
     def __init__(self, snapshots: dict[int, MultitaskModel], task_epochs: dict[str, int]):
         super().__init__()
         self.snapshots = nn.ModuleDict({str(epoch): model for epoch, model in snapshots.items()})
         self.task_epochs = dict(task_epochs)
-        self.tasks = next(iter(snapshots.values())).tasks
+        first = next(iter(snapshots.values()))
+        self.tasks, self.family = first.tasks, first.family
 
     def for_task(self, task: str) -> MultitaskModel:
         return self.snapshots[str(self.task_epochs[task])]
@@ -154,7 +155,7 @@ def load_snapshot(model_dir: Path) -> tuple[MultitaskModel, dict]:
                              source=str(config_path))
     except ParamsError as error:
         raise ModelFolderError(f"{error} (a model folder from another version of mtbert? retrain it)") from None
-    encoder = load_local_encoder(model_dir / SHARED_DIR, RESTORE_OR_RETRAIN, attn_implementation="sdpa")
+    encoder = load_local_encoder(model_dir / SHARED_DIR, RESTORE_OR_RETRAIN)
     model = MultitaskModel(encoder, tasks_from_params(spec.tasks), spec.heads,
                            saved.get("model", {}).get("arch", "shared"), saved.get("model", {}).get("task_layers", 0))
     model.encoders.load_extra(model_dir, RESTORE_OR_RETRAIN)

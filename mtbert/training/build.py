@@ -21,7 +21,7 @@ from mtbert.model.backbone import load_encoder, load_tokenizer, starting_point
 from mtbert.model.multitask import MultitaskModel
 from mtbert.params import Params, SmartParams, TrainParams, as_dict
 from mtbert.rng import PCGRAD_ORDER, generator
-from mtbert.runtime import use_bf16
+from mtbert.runtime import UnreadableInputError, use_bf16
 from mtbert.training.averaging import MovingAverage, NoAverage, weight_average
 from mtbert.training.capture import CapturedSteps, captured_steps
 from mtbert.training.distillation import Distillation
@@ -120,6 +120,7 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
     sync_parameters(model, ranks)
     average = weight_average(model, p.ema)
     train_data = {name: load_split(paths.tokenized, task, "train", train_rows(p, name)) for name, task in tasks.items()}
+    check_padding(train_data, model, paths.tokenized)
     if distillation is not None:
         train_data = {name: distillation.taught(split) for name, split in train_data.items()}
     dev_data = {name: load_split(paths.tokenized, task, "dev", p.max_examples) for name, task in tasks.items()}
@@ -188,6 +189,16 @@ def epoch_schedule_for(p: TrainParams, train_data: dict[str, TaskSplit], streams
     batches = {name: stream.batches_per_pass for name, stream in streams.items()}
     return epoch_schedule(p.sampler, batches, sizes, seed=p.seed, epoch=epoch, epochs=p.epochs,
                           temperature=p.temperature)
+
+
+def check_padding(splits: dict[str, TaskSplit], model: MultitaskModel, tokenized: Path) -> None:
+    """The splits were tokenized for the model's encoder family: they pad with its pad id."""
+    for name, split in splits.items():
+        if split.pad_id != model.family.pad_id:
+            raise UnreadableInputError(
+                f"{tokenized_input(tokenized, name, 'train')}: padded with id {split.pad_id}, but the "
+                f"{model.family.model_type} encoder pads with {model.family.pad_id}: tokenized for another "
+                "backbone; run `dvc repro tokenize`")
 
 
 def schedule(run: FineTuning, epoch: int) -> list[tuple[str, ...]]:

@@ -113,7 +113,8 @@ class CapturedSteps:
             global_rows = run.streams[task].next()
             rows = shard(global_rows, run.ranks)
             for piece in micro_batches(rows, run.row_lengths[task], run.train.max_batch_tokens, run.pad_multiple):
-                batch = one_width(run.train_data[task].batch(piece, run.model.encoding(task), run.pad_multiple))
+                batch = one_width(run.train_data[task].batch(piece, run.model.encoding(task), run.pad_multiple),
+                                  run.model.family.pad_id)
                 pieces.append(Piece(task, len(piece), batch, padding_free_tokens(batch),
                                     share=len(piece) * run.ranks.world_size / len(global_rows),
                                     weight=len(piece) / len(rows)))
@@ -211,11 +212,11 @@ class CapturedSteps:
             group["lr"] = self.lrs[index]
 
 
-def one_width(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def one_width(batch: dict[str, torch.Tensor], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """A bi-encoder batch with both sentences' tensors at the wider one's width, as the model pads them
-    anyway: one key per width, not one per pair of widths."""
+    anyway (ids with the encoder's pad id, masks with 0): one key per width, not one per pair of widths."""
     if "input_ids_1" not in batch:
         return batch
     width = max(batch["input_ids_1"].shape[1], batch["input_ids_2"].shape[1])
-    return {name: F.pad(tensor, (0, width - tensor.shape[1])) if tensor.ndim == 2 else tensor
-            for name, tensor in batch.items()}
+    return {name: F.pad(tensor, (0, width - tensor.shape[1]), value=pad_id if name.startswith("input_ids") else 0)
+            if tensor.ndim == 2 else tensor for name, tensor in batch.items()}

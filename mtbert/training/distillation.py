@@ -45,7 +45,7 @@ def concatenated(first: TaskSplit, second: TaskSplit) -> dict:
     return {"task": first.task, "ids": np.concatenate([first.ids, second.ids]),
             "labels": np.concatenate([first.labels, second.labels]),
             "tokens": {name: TokenColumn.concat([column, second.tokens[name]])
-                       for name, column in first.tokens.items()}}
+                       for name, column in first.tokens.items()}, "pad_id": first.pad_id}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,7 @@ from mtbert.data.masking import IGNORE_INDEX, MaskingVocab, mask_tokens
 from mtbert.data.sampling import TaskStream
 from mtbert.data.tasks import tasks_from_params
 from mtbert.model.backbone import PROVENANCE_FILE, load_encoder, load_masked_lm, load_tokenizer
+from mtbert.model.families import family_of
 from mtbert.params import Params, PretrainParams, as_dict
 from mtbert.rng import HELD_OUT_SENTENCES, generator
 from mtbert.runtime import open_live, use_bf16
@@ -164,8 +165,8 @@ def prepare(params: Params, paths: Paths, ranks: Ranks, device: torch.device, fi
     tokenizer = load_tokenizer(params.model.name)
     vocab = MaskingVocab.from_tokenizer(tokenizer)
     model, head_from_checkpoint = load_masked_lm(params.model.name)
-    # sdpa in training too, even on a CPU: the eager attention fine-tuning switches to there was slower
-    # for masked-LM steps (docs/training.md, masked-LM pretraining)
+    # its family's attention in training too (BERT: sdpa, even on a CPU): the eager attention fine-tuning
+    # switches to there was slower for masked-LM steps (docs/training.md, masked-LM pretraining)
     model.to(device).train()
     sync_parameters(model, ranks)
     if not head_from_checkpoint:
@@ -179,7 +180,8 @@ def prepare(params: Params, paths: Paths, ranks: Ranks, device: torch.device, fi
     generator = torch.Generator().manual_seed(p.seed)
     # The same layer-wise grouping as fine-tuning; the masked-LM head (outside the encoder) gets lr.
     # Its tied decoder is the word embeddings (named_parameters lists it once), so it decays with them.
-    rule = LayerwiseLR(p.lr, p.weight_decay, p.layer_decay, encoder_prefix=f"{model.base_model_prefix}.")
+    rule = LayerwiseLR(p.lr, p.weight_decay, p.layer_decay, encoder_prefix=f"{model.base_model_prefix}.",
+                       depth_zero=family_of(model.config).depth_zero)
     optimizer, scheduler = layerwise_optimizer(model, model.config.num_hidden_layers, rule, "linear",
                                                p.warmup_fraction, p.steps)
     return MaskedLM(params, paths, fingerprint, ranks, device, bf16, tokenizer, vocab, model, head_from_checkpoint,
@@ -191,7 +193,7 @@ def masked_held_out(column: TokenColumn, vocab: MaskingVocab, p: PretrainParams)
     generator = torch.Generator().manual_seed(p.seed + 1)
     batches = []
     for rows in eval_batches(np.minimum(column.lengths(), p.max_length), p.batch_size * 4):
-        ids, mask = column.padded_to(rows, p.max_length)
+        ids, mask = column.padded_to(rows, p.max_length, vocab.pad_id)
         corrupted, labels = mask_tokens(ids, mask, vocab, mask_prob=p.mask_prob, whole_word=p.whole_word,
                                         generator=generator)
         batches.append((corrupted, mask, labels))
@@ -254,7 +256,7 @@ def train_step(run: MaskedLM, progress: Progress) -> None:
     """One masked batch: its loss over the chosen tokens, backward, an optimiser update."""
     p = run.pretrain
     rows = run.stream.next()
-    ids, mask = run.corpus.padded_to(rows, p.max_length)
+    ids, mask = run.corpus.padded_to(rows, p.max_length, run.vocab.pad_id)
     # Every rank masks the whole global batch (the same draws) and keeps its rows, so the masks do
     # not depend on the number of processes.
     corrupted, labels = mask_tokens(ids, mask, run.vocab, mask_prob=p.mask_prob, whole_word=p.whole_word,

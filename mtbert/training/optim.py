@@ -14,15 +14,18 @@ from transformers import (
     get_linear_schedule_with_warmup,
 )
 
+from mtbert.model.families import family_of
 from mtbert.params import TrainParams
 
 SCHEDULES = {"linear": get_linear_schedule_with_warmup, "cosine": get_cosine_schedule_with_warmup,
              "constant": get_constant_schedule_with_warmup}
 
 
-def layer_of(name: str, num_layers: int) -> int:
-    """Depth of an encoder parameter: 0 for the embeddings, i + 1 for encoder layer i, top for the rest."""
-    if "embeddings" in name:
+def layer_of(name: str, num_layers: int, depth_zero: tuple[str, ...] = ("embeddings",)) -> int:
+    """Depth of an encoder parameter: 0 for the embeddings (and what else its family's `depth_zero` names,
+    e.g. MPNet's relative-position bias, which every layer reads), i + 1 for encoder layer i, top for the
+    rest."""
+    if any(part in name for part in depth_zero):
         return 0
     match = re.search(r"\.layers?\.(\d+)\.", name)
     return int(match.group(1)) + 1 if match else num_layers + 1
@@ -41,18 +44,19 @@ class LayerwiseLR:
     head_lr_mult: float = 1.0
     embedding_lr_factor: float = 1.0
     encoder_prefix: str = "encoders."  # what the encoder parameters' names start with
+    depth_zero: tuple[str, ...] = ("embeddings",)  # the encoder family's input-side parameters (families.py)
 
     @classmethod
-    def for_training(cls, params: TrainParams) -> LayerwiseLR:
+    def for_training(cls, params: TrainParams, depth_zero: tuple[str, ...] = ("embeddings",)) -> LayerwiseLR:
         return cls(params.lr, params.weight_decay, params.layer_decay, params.head_lr_mult,
-                   params.embedding_lr_factor)
+                   params.embedding_lr_factor, depth_zero=depth_zero)
 
 
 def lr_scale(name: str, num_layers: int, rule: LayerwiseLR) -> float:
     """The factor on the base LR of one parameter."""
     if not name.startswith(rule.encoder_prefix):
         return rule.head_lr_mult
-    depth = layer_of(name, num_layers)
+    depth = layer_of(name, num_layers, rule.depth_zero)
     scale = rule.layer_decay ** max(num_layers - depth, 0)  # top layer (and pooler): 1
     return scale * rule.embedding_lr_factor if depth == 0 else scale
 
@@ -92,7 +96,8 @@ def make_optimizer(model: nn.Module, num_layers: int, params: TrainParams, total
     """Fine-tuning's AdamW and schedule (train.*): the layer-wise rule, and each task's train.task_lr_mult
     on the parameters only that task uses (a multitask model's `parameter_owners()`)."""
     multipliers = {name: params.task_lr_mult[task] for name, task in model.parameter_owners().items()}
-    return layerwise_optimizer(model, num_layers, LayerwiseLR.for_training(params), params.schedule,
+    rule = LayerwiseLR.for_training(params, family_of(model.encoder.config).depth_zero)
+    return layerwise_optimizer(model, num_layers, rule, params.schedule,
                                params.warmup_fraction, total_steps, multipliers)
 
 
