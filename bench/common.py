@@ -5,6 +5,7 @@ started, loaded and stopped on a loopback port."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import platform
 import socket
 import subprocess
@@ -19,6 +20,9 @@ import numpy as np
 if TYPE_CHECKING:  # the training modules import torch: the server's helpers do without
     from mtbert.training.build import FineTuning
     from mtbert.training.progress import Progress
+
+# The HTTP client logs every request at INFO: thousands of lines in a terminal during a load test.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 # --- training steps ----------------------------------------------------------------------------------------

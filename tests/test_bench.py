@@ -1,6 +1,7 @@
 """The benchmark suite runs end to end on a 2-layer backbone and tiny data (figures checked for shape, not speed)."""
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -190,9 +191,11 @@ def test_pretrain_attention_probe_times_both_implementations(tmp_path, tiny_back
 
 
 @pytest.mark.slow(reason="cold starts of real processes and a load test of the server")
-def test_deploy_bench_writes_every_figure(tmp_path, deployed):
+def test_deploy_bench_writes_every_figure(tmp_path, deployed, caplog):
     """Figure 8 on the small exported variant: every engine, the cold starts and the bounded load test."""
     from bench.deploy import app as deploy_app
+
+    caplog.set_level(logging.INFO)  # as `python -m bench` logs
 
     out = tmp_path / "deploy.json"
     result = CliRunner().invoke(deploy_app, ["--model", "cross", "--params-file", str(deployed.params_file),
@@ -215,6 +218,7 @@ def test_deploy_bench_writes_every_figure(tmp_path, deployed):
     assert server["latency_ms"]["p99"] >= server["latency_ms"]["p50"] > 0 and server["requests_per_second"] > 0
     assert server["peak_rss_mib"] > 50  # the server process (Python, ONNX Runtime and the graphs) was measured
     assert "8. deployment" in result.output and "mtbert serve (1 worker(s)): 12 requests" in result.output
+    assert not [record for record in caplog.records if record.name == "httpx"]  # no line per request
 
 
 def test_serve_bench_drives_a_normal_load_an_overload_and_vanishing_clients(tmp_path, deployed):
