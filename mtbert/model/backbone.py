@@ -65,11 +65,11 @@ def load_tokenizer(name: str, **kwargs):
         raise not_found_error(name, error) from error
 
 
-def load_config(name: str):
-    """The encoder config of `name` alone (no weights read)."""
+def load_config(name: str, source: str | None = None):
+    """The encoder config of `name` alone (no weights read); `source`: where `resolve_backbone` found it."""
     from transformers import AutoConfig
 
-    source = resolve_backbone(name)
+    source = source or resolve_backbone(name)
     local = Path(source).is_dir()
     if local:
         check_weights_folder(Path(source))
@@ -82,9 +82,9 @@ def load_config(name: str):
         raise not_found_error(name, error) from error
 
 
-def load_family(name: str) -> Family:
+def load_family(name: str, source: str | None = None) -> Family:
     """The family of the encoder `name` names; an unknown one fails here, before any weights are read."""
-    return family_of(load_config(name), name)
+    return family_of(load_config(name, source), name)
 
 
 def check_max_length(name: str, key: str, max_length: int) -> None:
@@ -110,7 +110,7 @@ def load_encoder(name: str, **kwargs):
     source = resolve_backbone(name)
     if Path(source).is_dir():
         return use_cheap_masks(load_local_encoder(Path(source), name=name, **kwargs))
-    attention = load_family(name).attention
+    attention = load_family(name, source).attention
     try:
         return use_cheap_masks(AutoModel.from_pretrained(source, attn_implementation=attention, **kwargs))
     except (OSError, ValueError) as error:
@@ -128,7 +128,7 @@ def load_masked_lm(name: str):
     from mtbert.model.dropout import use_cheap_masks
 
     source = resolve_backbone(name)
-    attention = load_family(name).attention
+    attention = load_family(name, source).attention
     try:
         model, info = AutoModelForMaskedLM.from_pretrained(source, attn_implementation=attention,
                                                            output_loading_info=True)
