@@ -14,7 +14,7 @@ engine measured in the same run:
 
 int8's dev metrics against fp32's are the export's own measurement (metrics/export/<model>.json), shown
 beside these when it is there. Needs models/<model> and exports/<model> (`dvc repro export@<model>`)
-and data/tokenized.
+and data/tokenized/base.
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def main(name: str = typer.Option("", "--model", help="a name in export.models, 
          params_file: Path = typer.Option(Path("params.yaml")),
          models_dir: Path = typer.Option(Path("models")),
          exports_dir: Path = typer.Option(Path("exports")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized/base")),
          texts_per_task: int = typer.Option(1000, min=1, help="dev rows per task for the batched figure"),
          single_calls: int = typer.Option(200, min=1, help="one-sentence calls per engine"),
          rounds: int = typer.Option(2, min=1, help="batched rounds per engine"),

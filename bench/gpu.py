@@ -17,7 +17,7 @@ over the plan is a warm-up (kernels chosen, graphs captured), timed apart; the r
 Per-task rates combine in the epoch's task mix (bench/peer.py `mixed_rate`).
 
 On a CPU (a dry run, `--dry-run`), the CUDA parts are skipped: no peak, no captured step, and the figures
-are of the CPU. Needs data/tokenized (`dvc repro tokenize`) and the backbone.
+are of the CPU. Needs data/tokenized/base (`dvc repro tokenize@base`) and the backbone.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def main(steps_per_task: int = typer.Option(60, help="timed steps per task and s
          short_rows: int = typer.Option(2000, help="training rows per task of the short run"),
          variant: str = typer.Option("base"),
          params_file: Path = typer.Option(Path("params.yaml")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized/base")),
          json_out: Path = typer.Option(Path("metrics/bench-gpu.json"))) -> None:
     setup_logging()
     params = variant_params(params_file, variant)

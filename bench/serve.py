@@ -116,7 +116,7 @@ def report(f: dict) -> None:
 
 @app.command()
 def main(model: Path = typer.Option(Path("exports/ensemble"), help="the export to serve"),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized"), help="where the dev sentences come from"),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized/base"), help="where the dev sentences come from"),
          task: str = typer.Option("sst", help="a one-sentence task of the model"),
          clients: int = typer.Option(32, min=1), requests: int = typer.Option(20, min=1),
          connections: int = typer.Option(1500, "--overload", min=1, help="concurrent connections of the overload"),

@@ -5,8 +5,8 @@
 Both objectives drive the `train` stage's own run (mtbert/training/finetune.py's `start`, then its
 `accumulate_gradients` and `update`) on the default variant: the same model, the same
 real batches (the first steps of its first epoch), a step being forward, backward and the optimiser
-update. They alternate in blocks, so drift in the machine's speed hits both alike. Needs data/tokenized
-(`dvc repro tokenize`).
+update. They alternate in blocks, so drift in the machine's speed hits both alike. Needs data/tokenized/base
+(`dvc repro tokenize@base`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main(steps: int = typer.Option(40, help="timed steps per objective"),
          smart_steps: int = typer.Option(1, help="K, the ascent steps of SMART"),
          variant: str = typer.Option("base"),
          params_file: Path = typer.Option(Path("params.yaml")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized/base")),
          json_out: Path = typer.Option(None, help="also write the figures here")) -> None:
     setup_logging()
     params = variant_params(params_file, variant)

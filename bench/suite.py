@@ -29,8 +29,8 @@
    at 64 clients on the export against `--ensemble` over the members' exports.
 
 The configurations being compared alternate in short blocks over the same kind of real batches, so a
-change in the machine's speed during the run hits all of them alike. Needs data/tokenized
-(`dvc repro tokenize`) and data/raw.
+change in the machine's speed during the run hits all of them alike. Needs data/tokenized/base
+(`dvc repro tokenize@base`) and data/raw.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
          memory_steps: int = typer.Option(20, help="training steps of the peak-memory child"),
          variant: str = typer.Option("base"),
          params_file: Path = typer.Option(Path("params.yaml")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized/base")),
          deployed: str = typer.Option("", help="figure 8: the model whose export is timed (default: the first of "
                                                "export.models) ..."),
          models_dir: Path = typer.Option(Path("models"), help="... trained there ..."),

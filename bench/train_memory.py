@@ -56,7 +56,7 @@ def with_overrides(params, onednn_cache: int, malloc_threshold_mb: int, max_batc
 @app.command()
 def main(steps: int = typer.Option(20), variant: str = typer.Option("base"),
          params_file: Path = typer.Option(Path("params.yaml")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized/base")),
          onednn_cache: int = typer.Option(-1), malloc_threshold_mb: int = typer.Option(-1),
          max_batch_tokens: int = typer.Option(-1), longest_first: bool = typer.Option(False)) -> None:
     setup_logging("WARNING")

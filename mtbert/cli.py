@@ -96,13 +96,14 @@ def predict(texts: list[str] = typer.Argument(None, help="texts; for pair tasks 
 def export(model: Path = typer.Option(..., "--model", help="a trained variant's folder, e.g. models/base"),
            out: Path = typer.Option(..., "--out", help="the export folder to write, e.g. exports/base"),
            params_file: Path = typer.Option(Path("params.yaml"), help="its `export` section sets the export"),
-           tokenized_dir: Path = typer.Option(Path("data/tokenized"), help="the dev splits: the check against "
-                                                                          "PyTorch, the dev metrics"),
+           tokenized_dir: Path = typer.Option(None, help="the dev splits, tokenized for this model: the check "
+                                                         "against PyTorch, the dev metrics [default: "
+                                                         "data/tokenized/<the model folder's name>]"),
            metrics: Path = typer.Option(None, "--metrics", help="also write the export's report (JSON) here"),
            int8: bool = typer.Option(None, "--int8/--no-int8", help="int8 graphs too (default: export.int8)"),
            threads: int = typer.Option(None, min=0, help="CPU threads (default: runtime.threads)")) -> None:
     """Export a trained variant to ONNX: per task an fp32 graph (and int8), the tokenizer, a manifest."""
-    from mtbert import io
+    from mtbert import io, layout
     from mtbert.deploy.export import export_variant
     from mtbert.deploy.predictors import quiet_transformers
     from mtbert.params_file import load_params, with_changes
@@ -114,7 +115,7 @@ def export(model: Path = typer.Option(..., "--model", help="a trained variant's 
     options = params.export if int8 is None else with_changes(params.export, int8=int8)
     threads = params.runtime.threads if threads is None else threads
     setup_torch(seed=0, threads=threads)
-    report = export_variant(model, out, options, tokenized_dir, threads)
+    report = export_variant(model, out, options, tokenized_dir or layout.tokenized_of(model.name), threads)
     if metrics is not None:
         io.write_metrics(metrics, report)
     print(f"{out}: default engine {report['engine']} ({report['reason']})")

@@ -37,9 +37,8 @@ from mtbert.deploy.engine import is_export, load_export
 from mtbert.evaluation.evaluate import predict_split
 from mtbert.evaluation.members import MemberEnsemble
 from mtbert.inputs import InputError, Text, check_texts
-from mtbert.model.architectures import SHARED_DIR
 from mtbert.model.backbone import load_tokenizer
-from mtbert.model.saved import epoch_dir, load_model
+from mtbert.model.saved import load_model, tokenizer_dir
 
 __all__ = ["EnsemblePredictor", "InputError", "Predictor", "Text", "check_texts", "describe", "split_of"]
 
@@ -82,10 +81,7 @@ class Predictor:
             return load_export(model_dir, **{key: value for key, value in options.items()
                                              if key in ("engine", "batch_size", "threads")})
         model, config = load_model(Path(model_dir))
-        folder = Path(model_dir)
-        if "task_epochs" in config:
-            folder = folder / epoch_dir(min(config["task_epochs"].values()))
-        return cls(model, config["params"], load_tokenizer(str(folder / SHARED_DIR)), **options)
+        return cls(model, config["params"], load_tokenizer(str(tokenizer_dir(model_dir, config))), **options)
 
     def task(self, name: str) -> Task:
         if name not in self.tasks:

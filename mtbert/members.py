@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import typer
 
@@ -27,7 +29,9 @@ app = typer.Typer(add_completion=False)
 
 
 def dvc(*args: str, capture: bool = False) -> str:
-    result = subprocess.run([sys.executable, "-m", "dvc", *args], capture_output=capture, text=True)
+    # this interpreter first on PATH: the stages DVC runs (`python -m stages...`) are then this environment's
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    result = subprocess.run([sys.executable, "-m", "dvc", *args], capture_output=capture, text=True, env=env)
     if result.returncode != 0:
         raise UserError(f"dvc {' '.join(args)} failed" + (f": {' '.join(result.stderr.split())}" if capture else ""))
     return result.stdout or ""

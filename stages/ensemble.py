@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import typer
 
-from mtbert import io
+from mtbert import io, layout
 from mtbert.data.batches import load_split
 from mtbert.data.tasks import tasks_from_params
 from mtbert.evaluation.candidates import candidates, require_test_snapshots
@@ -25,7 +25,7 @@ from mtbert.evaluation.plots import write_plot_tables
 from mtbert.evaluation.predictions import read_dump, rejected_ids, write_dump, write_submission
 from mtbert.model.card import CARD_FILE, ensemble_card
 from mtbert.params import as_dict
-from mtbert.params_file import load_params
+from mtbert.params_file import load_params, variant_params
 from mtbert.runtime import run_app, setup_logging
 
 log = logging.getLogger("ensemble")
@@ -34,8 +34,9 @@ app = typer.Typer(add_completion=False)
 
 @app.command()
 def main(params_file: Path = typer.Option(Path("params.yaml")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
-         rejects_file: Path = typer.Option(Path("data/rejects.tsv")),
+         tokenized_dir: Path | None = typer.Option(None, help="the dev labels and rejects [default: "
+                                                              "data/tokenized/<the first variant>]"),
+         rejects_file: Path | None = typer.Option(None, help="[default: rejects.tsv in the tokenized folder]"),
          predictions_dir: Path = typer.Option(Path("data/predictions")),
          snapshots_dir: Path = typer.Option(Path("data/snapshots")),
          out_dir: Path = typer.Option(Path("data/ensemble")),
@@ -45,6 +46,8 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
     params = load_params(params_file)
     tasks = tasks_from_params(params.tasks)
     variants = sorted(params.models)
+    tokenized_dir = layout.shared_rows(variants, tokenized_dir)
+    rejects_file = layout.rejects_of(tokenized_dir, rejects_file)
     if params.ensemble.snapshots:
         require_test_snapshots(snapshots_dir, variants, list(tasks.values()))
     report: dict = {"variants": variants, "method": method_name(params.ensemble)}
@@ -73,7 +76,9 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
         log.info("honest estimate of %s: overall %.4f", name, scores["overall"])
     report["methods"] = methods
     io.write_metrics(metrics_file, report)
-    io.write_text(out_dir / CARD_FILE, ensemble_card(report, as_dict(params), tasks, str(metrics_file)))
+    members = sorted({member for name in tasks for member in report[name]["members"]})
+    encoders = list(dict.fromkeys(variant_params(params_file, member).model.name for member in members))
+    io.write_text(out_dir / CARD_FILE, ensemble_card(report, as_dict(params), tasks, str(metrics_file), encoders))
     log.info("ensemble (%s) dev overall %.4f (honest estimate %.4f)", report["method"], report["overall"],
              report["honest_overall"])
 

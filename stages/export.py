@@ -16,7 +16,7 @@ from pathlib import Path
 
 import typer
 
-from mtbert import io
+from mtbert import io, layout
 from mtbert.deploy.export import export_variant
 from mtbert.params_file import load_params, student_params, variant_params
 from mtbert.runtime import limit_memory_growth, run_app, setup_logging, setup_torch
@@ -37,7 +37,8 @@ def skip(out_dir: Path, metrics_file: Path, name: str) -> None:
 @app.command()
 def main(name: str = typer.Option(..., "--model", help="a key of `models:` or of distill.students in params.yaml"),
          params_file: Path = typer.Option(Path("params.yaml")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         tokenized_dir: Path | None = typer.Option(None, help="its dev splits [default: data/tokenized/<its "
+                                                              "variant> (a student's: distill.variant)]"),
          models_dir: Path = typer.Option(Path("models")),
          exports_dir: Path = typer.Option(Path("exports")),
          metrics_dir: Path = typer.Option(Path("metrics/export"))) -> None:
@@ -51,6 +52,7 @@ def main(name: str = typer.Option(..., "--model", help="a key of `models:` or of
     params = student_params(params_file, name) if is_student else variant_params(params_file, name)
     limit_memory_growth(params.runtime.onednn_cache, params.runtime.malloc_threshold_mb)
     setup_torch(seed=0, threads=params.runtime.threads)
+    tokenized_dir = layout.tokenized_of(distill.variant if is_student else name, tokenized_dir)
     report = export_variant(models_dir / name, exports_dir / name, params.export, tokenized_dir,
                             params.runtime.threads)
     io.write_metrics(metrics_dir / f"{name}.json", report)

@@ -28,7 +28,8 @@ app = typer.Typer(add_completion=False)
 
 @app.command()
 def main(params_file: Path = typer.Option(Path("params.yaml")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         tokenized_root: Path = typer.Option(Path("data/tokenized"), help="each member's dev splits: "
+                                                                         "<root>/<member>"),
          models_dir: Path = typer.Option(Path("models")),
          ensemble_file: Path = typer.Option(Path("metrics/ensemble.json")),
          dumps_dir: Path = typer.Option(Path("data/ensemble"), help="the ensemble stage's dumps"),
@@ -39,7 +40,7 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
     limit_memory_growth(params.runtime.onednn_cache, params.runtime.malloc_threshold_mb)
     setup_torch(seed=0, threads=params.runtime.threads)
     report = export_ensemble(ensemble_file, models_dir, dumps_dir, out_dir, tasks_from_params(params.tasks),
-                             params.export, tokenized_dir, params.runtime.threads)
+                             params.export, tokenized_root, params.runtime.threads)
     io.write_metrics(metrics_file, report)
     log.info("exports/ensemble: dev overall %.4f as deployed (fp32 graphs %.4f)",
              report["dev"]["deployed"]["overall"], report["dev"]["onnx"]["overall"])

@@ -3,12 +3,13 @@
 Enabled (`pretrain.enabled`), it trains the backbone with a masked-LM head on every sentence of the
 `pretrain.corpus` splits (each sentence of a pair alone; BERT's 15% / 80-10-10 masking, no
 next-sentence task), measures the masked-LM loss and perplexity on held-out dev sentences with fixed
-masks every `eval_every` steps, and writes the trained encoder to models/pretrained/ in Hugging Face
-format. Disabled, it writes the backbone itself there, unchanged. `train` always starts from
-models/pretrained/. The loop is mtbert/training/masked_lm.py.
+masks every `eval_every` steps, and writes the trained encoder to models/pretrained/<variant>/ in Hugging
+Face format. Disabled, it writes the backbone itself there, unchanged. `train@<variant>` always starts from
+models/pretrained/<variant>/: per variant, since a variant may have its own encoder and pretraining. The
+loop is mtbert/training/masked_lm.py.
 
 Resume: every runtime.checkpoint_every.pretrain steps the full state goes atomically to
-checkpoints/pretrain/; a killed run started again continues from it and ends as an uninterrupted run would.
+checkpoints/pretrain/<variant>/; a killed run started again continues from it and ends as an uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from pathlib import Path
 
 import typer
 
+from mtbert import layout
 from mtbert.params import Params
-from mtbert.params_file import load_params
+from mtbert.params_file import load_params, variant_params
 from mtbert.runtime import limit_memory_growth, run_app, setup_logging
 from mtbert.training import masked_lm
 from mtbert.training.distributed import relaunch_with_torchrun, setup_process, shutdown, under_torchrun
@@ -44,18 +46,26 @@ def pretrain(params: Params, paths: Paths, stop_after: int | None = None) -> dic
 
 
 @app.command()
-def main(params_file: Path = typer.Option(Path("params.yaml")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
-         out_dir: Path = typer.Option(Path("models/pretrained")),
-         metrics_file: Path = typer.Option(Path("metrics/pretrain.json")),
-         live_dir: Path = typer.Option(Path("metrics/pretrain")),
-         checkpoints_dir: Path = typer.Option(Path("checkpoints/pretrain"))) -> None:
+def main(variant: str | None = typer.Option(None, "--variant", help="a key of `models:` [default: every variant; "
+                                                                     "with --out-dir: the shared sections]"),
+         params_file: Path = typer.Option(Path("params.yaml")),
+         tokenized_dir: Path | None = typer.Option(None, help="[default: data/tokenized/<variant>]"),
+         out_dir: Path | None = typer.Option(None, help="[default: models/pretrained/<variant>]"),
+         metrics_file: Path | None = typer.Option(None, help="[default: metrics/pretrain/<variant>.json]"),
+         live_dir: Path | None = typer.Option(None, help="[default: metrics/pretrain/<variant>]"),
+         checkpoints_dir: Path | None = typer.Option(None, help="[default: checkpoints/pretrain/<variant>]")) -> None:
     setup_logging()
-    params = load_params(params_file)
+    if variant is None and out_dir is None:
+        layout.run_every_variant("stages.pretrain", params_file, load_params(params_file).models)
+        return
+    params = variant_params(params_file, variant) if variant else load_params(params_file)
     if params.pretrain.enabled and params.pretrain.nproc > 1 and not under_torchrun():
         relaunch_with_torchrun(params.pretrain.nproc, "stages.pretrain", sys.argv[1:])
-    paths = Paths(tokenized=tokenized_dir, model_out=out_dir, metrics_out=metrics_file, live_dir=live_dir,
-                  checkpoints=checkpoints_dir)
+    paths = Paths(tokenized=layout.tokenized_of(variant, tokenized_dir),
+                  model_out=layout.pretrained_of(variant, out_dir),
+                  metrics_out=layout.of_variant(layout.PRETRAIN_METRICS, variant, metrics_file),
+                  live_dir=layout.of_variant(layout.PRETRAIN_LIVE, variant, live_dir),
+                  checkpoints=layout.of_variant(layout.PRETRAIN_CHECKPOINTS, variant, checkpoints_dir))
     if not params.pretrain.enabled:
         masked_lm.pass_through(params, paths)
         return

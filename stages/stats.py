@@ -20,7 +20,7 @@ import numpy as np
 import typer
 import yaml
 
-from mtbert import io
+from mtbert import io, layout
 from mtbert.data.batches import load_split
 from mtbert.data.tasks import tasks_from_params
 from mtbert.evaluation.candidates import epoch_folders
@@ -39,7 +39,8 @@ app = typer.Typer(add_completion=False)
 
 @app.command()
 def main(params_file: Path = typer.Option(Path("params.yaml")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         tokenized_dir: Path | None = typer.Option(None, help="the dev labels [default: data/tokenized/<the first "
+                                                              "variant>]"),
          predictions_dir: Path = typer.Option(Path("data/predictions")),
          distilled_dir: Path = typer.Option(Path("data/distilled"), help="the distilled students' dumps"),
          snapshots_dir: Path = typer.Option(Path("data/snapshots"), help="every epoch's dev dumps of each variant"),
@@ -54,6 +55,7 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
     folders = {variant: predictions_dir / variant for variants in groups.values() for variant in variants}
     folders.update({student: distilled_dir / student for group in students.values() for student in group})
     groups = {**groups, **students}
+    tokenized_dir = layout.shared_rows(params.models, tokenized_dir)
     dev_splits = {name: load_split(tokenized_dir, task, "dev") for name, task in tasks.items()}
     labels = {name: split.labels for name, split in dev_splits.items()}
     dev = {variant: {name: read_aligned(folder, task, "dev", dev_splits[name].ids) for name, task in tasks.items()}

@@ -1,7 +1,8 @@
 """Stage `tokenize`: validate the raw TSV files and write one token-id Parquet file per task and split.
 
-Rejected rows go to data/rejects.tsv with their reasons; counts go to metrics/data.json. The stage fails
-if any file rejects more than data.max_reject_fraction of its rows.
+`tokenize@<variant>` tokenizes with the variant's encoder (`model.name`) into data/tokenized/<variant>/.
+Rejected rows go to rejects.tsv there, with their reasons; counts go to metrics/data/<variant>.json. The
+stage fails if any file rejects more than data.max_reject_fraction of its rows.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from pathlib import Path
 import pandas as pd
 import typer
 
-from mtbert import io
+from mtbert import io, layout
 from mtbert.data.rawdata import REJECT_COLUMNS, REJECT_REASONS, ParsedSplit, RawDataError, read_split
 from mtbert.data.tasks import SPLITS, tasks_from_params, tokenized_path
 from mtbert.data.tokenization import encode_rows
 from mtbert.model.backbone import check_max_length, load_tokenizer
-from mtbert.params_file import load_params
+from mtbert.params_file import load_params, variant_params
 from mtbert.runtime import run_app, setup_logging
 
 log = logging.getLogger("tokenize")
@@ -25,12 +26,23 @@ app = typer.Typer(add_completion=False)
 
 
 @app.command()
-def main(params_file: Path = typer.Option(Path("params.yaml"), help="params file to read"),
-         out_dir: Path = typer.Option(Path("data/tokenized"), help="Parquet output folder"),
-         rejects_file: Path = typer.Option(Path("data/rejects.tsv"), help="rejected rows with reasons"),
-         metrics_file: Path = typer.Option(Path("metrics/data.json"), help="data statistics")) -> None:
+def main(variant: str | None = typer.Option(None, "--variant", help="a key of `models:`: its encoder's tokens "
+                                                                     "[default: every variant; with --out-dir: "
+                                                                     "the shared sections]"),
+         params_file: Path = typer.Option(Path("params.yaml"), help="params file to read"),
+         out_dir: Path | None = typer.Option(None, help="Parquet output folder [default: data/tokenized/<variant>]"),
+         rejects_file: Path | None = typer.Option(None, help="rejected rows with reasons [default: rejects.tsv "
+                                                             "in the output folder]"),
+         metrics_file: Path | None = typer.Option(None, help="data statistics [default: metrics/data/<variant>.json]"),
+         ) -> None:
     setup_logging()
-    params = load_params(params_file)
+    if variant is None and out_dir is None:
+        layout.run_every_variant("stages.tokenize", params_file, load_params(params_file).models)
+        return
+    params = variant_params(params_file, variant) if variant else load_params(params_file)
+    out_dir = layout.tokenized_of(variant, out_dir)
+    rejects_file = layout.rejects_of(out_dir, rejects_file)
+    metrics_file = layout.of_variant(layout.DATA_METRICS, variant, metrics_file)
     tasks = tasks_from_params(params.tasks)
     check_max_length(params.model.name, "tokenize.max_length", params.tokenize.max_length)
     tokenizer = load_tokenizer(params.model.name)

@@ -18,14 +18,14 @@ import numpy as np
 import pyarrow as pa
 import typer
 
-from mtbert import io
+from mtbert import io, layout
 from mtbert.data.batches import tokenized_input
 from mtbert.data.tasks import tasks_from_params, tokenized_path
 from mtbert.data.tokenization import encode_rows
 from mtbert.data.transfer import Embed, TrainingText, transfer_rows
 from mtbert.model.backbone import load_encoder, load_tokenizer, starting_point
 from mtbert.model.pooling import mean_pooled_embeddings
-from mtbert.params_file import load_params
+from mtbert.params_file import load_params, variant_params
 from mtbert.runtime import run_app, setup_logging, setup_torch, use_bf16
 
 log = logging.getLogger("transfer")
@@ -47,13 +47,17 @@ def remembered(embed: Embed) -> Embed:
 
 @app.command()
 def main(params_file: Path = typer.Option(Path("params.yaml")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
-         pretrained_dir: Path = typer.Option(Path("models/pretrained"), help="the encoder the members start from"),
+         tokenized_dir: Path | None = typer.Option(None, help="[default: data/tokenized/<distill.variant>]"),
+         pretrained_dir: Path | None = typer.Option(None, help="the encoder the student starts from "
+                                                               "[default: models/pretrained/<distill.variant>]"),
          out_dir: Path = typer.Option(Path("data/transfer")),
          metrics_file: Path = typer.Option(Path("metrics/transfer.json"))) -> None:
     setup_logging()
-    params = load_params(params_file)
-    transfer = params.distill.transfer
+    distill = load_params(params_file).distill
+    params = variant_params(params_file, distill.variant)  # the student's encoder and its tokens
+    tokenized_dir = layout.tokenized_of(distill.variant, tokenized_dir)
+    pretrained_dir = layout.pretrained_of(distill.variant, pretrained_dir)
+    transfer = distill.transfer
     tasks = tasks_from_params(params.tasks)
     device = setup_torch(seed=0, threads=params.runtime.threads)
     start = starting_point(params.model.name, pretrained_dir)

@@ -228,6 +228,8 @@ def make_params(tmp_path: Path, backbone: Path, raw_dir: Path, *, model=None, tr
     params["heads"] = deep_merge(params["heads"], heads or {})
     params["smart"] = deep_merge(params["smart"], smart or {})
     params["models"] = models or {"base": {}}
+    if params["distill"]["variant"] not in params["models"]:  # it must name a variant, on or off
+        params["distill"]["variant"] = next(iter(params["models"]))
     params = deep_merge(params, extra or {})  # e.g. a task declared in the test alone
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params, sort_keys=False))  # keep the tasks in their declared order

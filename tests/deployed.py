@@ -37,6 +37,7 @@ class Deployed:
     root: Path
     params_file: Path
     tokenized: Path
+    tokenized_root: Path  # <root>/<variant>: each variant's tokenized folder, as data/tokenized/ holds them
     models: Path  # models/<variant>/
     predictions: Path  # data/predictions/<variant>/
     ensemble_dir: Path  # the ensemble's dumps
@@ -47,12 +48,15 @@ class Deployed:
 
 def build(root: Path, backbone: Path, tokenized: Path) -> Deployed:
     params_file = make_params(root, backbone, Path("unused"), models=VARIANTS, extra=PARAMS)
-    deployed = Deployed(root=root, params_file=params_file, tokenized=tokenized, models=root / "models",
+    deployed = Deployed(root=root, params_file=params_file, tokenized=tokenized,
+                        tokenized_root=root / "tokenized", models=root / "models",
                         predictions=root / "predictions", ensemble_dir=root / "ensemble",
                         ensemble_file=root / "metrics" / "ensemble.json", exports=root / "exports",
                         export_metrics=root / "metrics" / "export")
     rejects = tokenized.parent / "rejects.tsv"
     for variant in VARIANTS:
+        (deployed.tokenized_root / variant).parent.mkdir(parents=True, exist_ok=True)
+        (deployed.tokenized_root / variant).symlink_to(tokenized)  # the variants share one encoder's tokens
         write_variant(deployed, variant, backbone)
         invoke("stages.predict", "--variant", variant, "--params-file", params_file, "--tokenized-dir", tokenized,
                "--rejects-file", rejects, "--models-dir", deployed.models, "--predictions-dir", deployed.predictions,

@@ -27,8 +27,8 @@ TASKS = ("sst", "qqp", "sts")
 def exported(deployed, tmp_path_factory) -> tuple[Path, dict]:
     """exports/ensemble as the stage writes it, and its metrics."""
     root = tmp_path_factory.mktemp("ensemble-export")
-    invoke("stages.export_ensemble", "--params-file", deployed.params_file, "--tokenized-dir", deployed.tokenized,
-           "--models-dir", deployed.models, "--ensemble-file", deployed.ensemble_file,
+    invoke("stages.export_ensemble", "--params-file", deployed.params_file, "--tokenized-root",
+           deployed.tokenized_root, "--models-dir", deployed.models, "--ensemble-file", deployed.ensemble_file,
            "--dumps-dir", deployed.ensemble_dir, "--out-dir", root / "ensemble",
            "--metrics-file", root / "ensemble.json")
     return root / "ensemble", json.loads((root / "ensemble.json").read_text())
@@ -49,9 +49,9 @@ def test_dumps_written_in_bf16_are_reported_not_held_to_the_tolerance(deployed, 
                           if name.startswith("prob") or name == "score" else table.column(name))
                    for name in table.column_names}
         pq.write_table(pa.table(columns), dumps / path.name)
-    invoke("stages.export_ensemble", "--params-file", deployed.params_file, "--tokenized-dir", deployed.tokenized,
-           "--models-dir", deployed.models, "--ensemble-file", deployed.ensemble_file, "--dumps-dir", dumps,
-           "--out-dir", tmp_path / "ensemble", "--metrics-file", tmp_path / "ensemble.json")
+    invoke("stages.export_ensemble", "--params-file", deployed.params_file, "--tokenized-root",
+           deployed.tokenized_root, "--models-dir", deployed.models, "--ensemble-file", deployed.ensemble_file,
+           "--dumps-dir", dumps, "--out-dir", tmp_path / "ensemble", "--metrics-file", tmp_path / "ensemble.json")
     report = json.loads((tmp_path / "ensemble.json").read_text())
     assert all(d <= TOLERANCE for d in report["parity"]["max_abs_difference"].values())
     assert all(d >= 0.009 for d in report["from_ensemble_dumps"]["max_abs_difference"].values())
@@ -94,10 +94,10 @@ def test_a_text_is_tokenized_once_per_encoding_not_once_per_member(exported, dep
     folder, _ = exported
     ensemble = ExportedEnsemble.load(folder, engine="onnx", threads=1)
     calls = []
-    tokenizer = ensemble.first.tokenizer
-    real = tokenizer.encode_batch
-    monkeypatch.setattr(tokenizer, "encode_batch", lambda texts: calls.append(len(texts)) or real(texts),
-                        raising=False)
+    for predictor in ensemble.predictors.values():  # one tokenizer file: members of one encoder share tokens
+        real = predictor.tokenizer.encode_batch
+        monkeypatch.setattr(predictor.tokenizer, "encode_batch",
+                            lambda texts, real=real: calls.append(len(texts)) or real(texts), raising=False)
     ensemble.values("sst", dev_texts(deployed, "sst")[:3])  # both members read the sentence alone
     assert len(calls) == 1
     calls.clear()

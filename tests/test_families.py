@@ -15,11 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 import torch
 
 from mtbert.data.batches import split_of_table
-from mtbert.data.tokenization import encode_rows
+from mtbert.data.tokenization import encode_rows, retokenized
 from mtbert.model.architectures import attention_for
 from mtbert.model.backbone import BackboneError, check_max_length, load_encoder, load_family, load_tokenizer
 from mtbert.model.families import FAMILIES, FamilyError, family_of
@@ -122,6 +123,22 @@ def test_a_pair_is_one_sequence_of_the_familys_special_tokens_and_token_types_re
     with torch.no_grad():
         same = torch.equal(model("qqp", batch), model("qqp", flipped))
     assert same != model.family.token_types
+
+
+def test_a_table_tokenized_by_one_family_reads_again_in_the_others_tokens(tiny_backbone, tiny_mpnet):
+    """The transfer set, tokenized for the student's encoder, in a member's own tokens (stages/predict.py)."""
+    columns = TASKS["sts"].text_columns
+    frame = pd.DataFrame({"id": ["a", "b"], **{name: [row[k] for row in PAIRS] for k, name in enumerate(columns)}})
+    table, _ = encode_rows(load_tokenizer(str(tiny_backbone)), frame, TASKS["sts"], max_length=32, batch_size=8)
+    table = table.append_column("source", pa.array(["neighbour", "random"]))
+    mpnet = load_tokenizer(str(tiny_mpnet))
+    again = retokenized(table, mpnet, TASKS["sts"], max_length=32, batch_size=8)
+    expected, _ = encode_rows(mpnet, frame, TASKS["sts"], max_length=32, batch_size=8)
+    for column in expected.column_names:
+        if column != "label":
+            assert again.column(column) == expected.column(column), column
+    assert again.column("label") == table.column("label") and again.column("source") == table.column("source")
+    assert split_of_table(again, TASKS["sts"], np.zeros(2)).pad_id == 1  # its schema says MPNet's pad id
 
 
 def test_batches_pad_with_the_familys_id_and_smart_perturbs_only_the_real_tokens(family_backbone, params):
@@ -263,7 +280,7 @@ def test_the_ensembles_export_serves_mpnets_predictions(mpnet_deployed, tmp_path
     from tests.deployed import invoke
 
     d = mpnet_deployed
-    invoke("stages.export_ensemble", "--params-file", d.params_file, "--tokenized-dir", d.tokenized,
+    invoke("stages.export_ensemble", "--params-file", d.params_file, "--tokenized-root", d.tokenized_root,
            "--models-dir", d.models, "--ensemble-file", d.ensemble_file, "--dumps-dir", d.ensemble_dir,
            "--out-dir", tmp_path / "ensemble", "--metrics-file", tmp_path / "ensemble.json")
     texts = [("A man plays a guitar.", "A man is playing music."), ("Dull.", "A witty film.")]

@@ -186,7 +186,7 @@ def test_a_cut_short_tokenized_split_is_one_line_from_train(tmp_path, training_p
     assert line.startswith(f"error: {broken}: not a readable Parquet file (Parquet magic bytes not found in "
                            "footer"), line
     assert line.endswith("expected a split `tokenize` writes: run `dvc repro tokenize` again (or `dvc checkout "
-                         "data/tokenized` to restore it)"), line
+                         "tokenize` to restore it)"), line
     assert digests(tokenized) == before
     assert not (tmp_path / "models").exists() and not (tmp_path / "metrics" / "base.json").exists()
 

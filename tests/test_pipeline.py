@@ -73,7 +73,7 @@ def fifth_task_files(rows: int) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory, tiny_backbone) -> Path:
+def repo(tmp_path_factory, tiny_backbone, tiny_mpnet) -> Path:
     repo = tmp_path_factory.mktemp("repo")
     for code in ("stages", "mtbert"):  # the stage commands, and the library dvc.yaml lists as their deps
         shutil.copytree(REPO_ROOT / code, repo / code, ignore=shutil.ignore_patterns("__pycache__"))
@@ -83,8 +83,10 @@ def repo(tmp_path_factory, tiny_backbone) -> Path:
                 extra={**NEW_TASKS, "predict": {"batch_size": 8, "bf16": False}, "export": {"models": ["distilled"]},
                        "distill": {"enabled": True, "variant": "plain", "students": {"distilled": 0},
                                    "transfer": {"rows": {"sst": 6, "qqp": 0, "sts": 6, "nli": 4}}}},
-                models={"plain": {}, "meanpool": {"heads": {"sst": {"pooling": "mean"}}, "train": {"seed": 1}},
-                        "plain-seed1": {"train": {"seed": 1}}})
+                models={"plain": {}, "plain-seed1": {"train": {"seed": 1}},
+                        # a member of another encoder family, with its own tokenizer and pad id
+                        "meanpool": {"model": {"name": str(tiny_mpnet)}, "heads": {"sst": {"pooling": "mean"}},
+                                     "train": {"seed": 1}}})
     write_raw_files(repo / "data" / "raw", {**synthetic_raw_files(16), **fourth_task_files(16), **fifth_task_files(16)})
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     dvc(repo, "init", "-q")
@@ -114,8 +116,11 @@ def test_repro_builds_every_stage_output(repo):
         assert set(train["dev"]) == {*TASK_NAMES, "overall"}
         assert train["epochs"][0]["task_batches"]["cfimdb"] > 0  # it was trained on, not only evaluated
         assert train["epochs"][0]["task_batches"]["nli"] > 0
-    data = json.loads((repo / "metrics" / "data.json").read_text())
+    data = json.loads((repo / "metrics" / "data" / "plain.json").read_text())
     assert data["cfimdb"]["train"]["labels"] == {"0": 8, "1": 8}
+    pad_ids = {variant: pq.read_schema(repo / "data" / "tokenized" / variant / "sst-dev.parquet").metadata[
+        b"mtbert.pad_id"] for variant in ("plain", "meanpool", "plain-seed1")}
+    assert pad_ids == {"plain": b"0", "meanpool": b"1", "plain-seed1": b"0"}  # each variant its encoder's tokens
     ensemble = json.loads((repo / "metrics" / "ensemble.json").read_text())
     assert ensemble["overall"] == pytest.approx(sum(ensemble[t][HEADLINE[t]] for t in TASK_NAMES) / len(TASK_NAMES),
                                                 abs=1e-4)  # 4 digits
@@ -126,6 +131,10 @@ def test_repro_builds_every_stage_output(repo):
     # the deployable ensemble: every task, its members in the ensemble's order, checked against its dumps
     manifest = json.loads((repo / "exports" / "ensemble" / "manifest.json").read_text())
     assert manifest["members"] == {task: ensemble[task]["order"] for task in TASK_NAMES}
+    assert all("meanpool" in order and "plain" in order for order in manifest["members"].values())  # uniform
+    member_pads = {name: json.loads((repo / "exports" / "ensemble" / name / "manifest.json").read_text())["pad_id"]
+                   for name in ("plain", "meanpool")}
+    assert member_pads == {"plain": 0, "meanpool": 1}  # BERT and MPNet members in one deployed ensemble
     exported = json.loads((repo / "metrics" / "export" / "ensemble.json").read_text())
     assert set(exported["parity"]["max_abs_difference"]) == set(TASK_NAMES)
     stats = json.loads((repo / "metrics" / "stats.json").read_text())
@@ -154,9 +163,13 @@ def card_metadata(path: Path) -> dict:
 
 
 def test_model_cards_carry_the_metrics_of_their_model(repo):
+    from mtbert.params_file import variant_params
+
+    encoders = {variant: variant_params(repo / "params.yaml", variant).model.name
+                for variant in ("plain", "meanpool", "plain-seed1")}
     for variant in ("plain", "meanpool", "plain-seed1"):
         card = card_metadata(repo / "models" / variant / "README.md")
-        assert card["base_model"] == yaml.safe_load((repo / "params.yaml").read_text())["model"]["name"]
+        assert card["base_model"] == encoders[variant]  # a variant's own encoder, or the shared one
         assert card["license"] == "apache-2.0" and card["library_name"] == "transformers"
         metrics = json.loads((repo / "metrics" / f"{variant}.json").read_text())
         results = {r["task"]["name"]: {m["type"]: m["value"] for m in r["metrics"]}
@@ -164,6 +177,7 @@ def test_model_cards_carry_the_metrics_of_their_model(repo):
         assert results == {task: metrics[task] for task in TASK_NAMES}
     ensemble = json.loads((repo / "metrics" / "ensemble.json").read_text())
     card = card_metadata(repo / "data" / "ensemble" / "README.md")
+    assert card["base_model"] == [encoders["meanpool"], encoders["plain"]]  # its members', BERT and MPNet
     card_metrics = {r["task"]["name"]: {m["type"]: m["value"] for m in r["metrics"]}
                     for r in card["model-index"][0]["results"]}
     assert {task: card_metrics[task][HEADLINE[task]] for task in card_metrics} == {
@@ -196,6 +210,24 @@ def test_params_that_do_not_change_results_rerun_nothing(repo):
         assert "Running stage" not in dvc(repo, "repro")
     finally:
         params_file.write_text(original)
+
+
+def test_a_variant_given_another_encoder_reruns_its_own_stages_and_what_combines_the_variants(repo, tiny_mpnet):
+    params_file = repo / "params.yaml"
+    original = params_file.read_text()
+    params = yaml.safe_load(original)
+    params["models"]["plain-seed1"]["model"] = {"name": str(tiny_mpnet)}
+    try:
+        params_file.write_text(yaml.safe_dump(params, sort_keys=False))
+        changed = set(json.loads(dvc(repo, "status", "--json")))
+    finally:
+        params_file.write_text(original)
+    # its tokens, its starting encoder and its training; the stages that read every variant's params
+    # (`models`) or all their outputs follow; no other variant's stage re-runs
+    assert {"tokenize@plain-seed1", "pretrain@plain-seed1", "train@plain-seed1"} <= changed
+    assert not {f"{stage}@{variant}" for stage in ("tokenize", "pretrain", "train", "predict")
+                for variant in ("plain", "meanpool")} & changed
+    assert "transfer" not in changed  # the student's variant, plain, kept its encoder
 
 
 def test_members_train_at_once_and_repro_goes_on_from_them(repo, tmp_path):
@@ -277,7 +309,7 @@ def test_queued_experiments_run_and_show_with_their_metrics(repo):
 # --- the trained models on new text: `mtbert predict` and its API (mtbert/inference.py) -----------------
 def dev_texts(repo: Path, task: str) -> tuple[list[str], list[tuple[str, ...]]]:
     """The ids and texts of a task's dev split, in the split's row order (the dumps' order)."""
-    table = pq.read_table(repo / "data" / "tokenized" / f"{task}-dev.parquet")
+    table = pq.read_table(repo / "data" / "tokenized" / "plain" / f"{task}-dev.parquet")
     columns = yaml.safe_load((repo / "params.yaml").read_text())["tasks"][task]["text"]
     return table.column("id").to_pylist(), list(zip(*(table.column(c).to_pylist() for c in columns), strict=True))
 

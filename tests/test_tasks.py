@@ -374,6 +374,11 @@ def test_a_variant_may_not_override_tasks(raw_params):
     fails(raw_params, r"models.other: a variant cannot override 'tasks'")
 
 
+def test_a_variant_may_not_override_the_rows_the_variants_share(raw_params):
+    raw_params["models"] = {"base": {}, "other": {"data": {"raw_dir": "elsewhere"}}}
+    fails(raw_params, r"models.other: a variant cannot override 'data'")
+
+
 def test_a_variant_is_checked_against_the_tasks(raw_params):
     raw_params["models"] = {"base": {}, "typo": {"heads": {"sst": {"encoding": "bi"}}}}
     fails(raw_params, r"models.typo.*heads.sst.encoding: task sst has one sentence")

@@ -1,6 +1,9 @@
 """The tokenize stage through its command line."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -10,7 +13,7 @@ from typer.testing import CliRunner
 from mtbert.data.rawdata import RawDataError
 from mtbert.variants import deep_merge
 from stages.tokenize import app
-from tests.conftest import REPO_ROOT, write_raw_files
+from tests.conftest import REPO_ROOT, synthetic_raw_files, write_raw_files
 
 
 def write_params(path: Path, raw_dir: Path, extra: dict | None = None, **data_overrides) -> Path:
@@ -87,3 +90,23 @@ def test_a_task_declared_in_params_alone_is_tokenized(tmp_path):
     report = json.loads((tmp_path / "data.json").read_text())
     assert report["emo"]["train"]["labels"] == {"0": 1, "1": 2, "2": 1}
     assert report["emo"]["test"]["rows_kept"] == 2 and "labels" not in report["emo"]["test"]
+
+
+def test_without_a_variant_each_variant_is_tokenized_by_its_own_encoder(tmp_path, tiny_backbone, tiny_mpnet):
+    """`python -m stages.tokenize` alone (by hand, or a runner without DVC) writes every variant's folder,
+    as `tokenize@<variant>` does: the same rows, ids and labels, each in its encoder's tokens."""
+    raw = write_raw_files(tmp_path / "raw", synthetic_raw_files(8))
+    write_params(tmp_path / "params.yaml", raw, {"model": {"name": str(tiny_backbone)}, "distill": {"variant": "bert"},
+                                                 "models": {"bert": {}, "mpnet": {"model": {"name": str(tiny_mpnet)}}}})
+    result = subprocess.run([sys.executable, "-m", "stages.tokenize"], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert result.returncode == 0, result.stderr
+    tables = {}
+    for variant, pad_id in (("bert", b"0"), ("mpnet", b"1")):
+        folder = tmp_path / "data" / "tokenized" / variant
+        tables[variant] = pq.read_table(folder / "sts-dev.parquet")
+        assert tables[variant].schema.metadata[b"mtbert.pad_id"] == pad_id
+        assert (folder / "rejects.tsv").is_file() and (tmp_path / "metrics" / "data" / f"{variant}.json").is_file()
+    for column in ("id", "label", "sentence1"):
+        assert tables["bert"].column(column) == tables["mpnet"].column(column)
+    assert tables["bert"].column("input_ids") != tables["mpnet"].column("input_ids")

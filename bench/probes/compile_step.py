@@ -7,7 +7,7 @@ and parameters, the same real batches (length-bucketed, so sequence lengths vary
 with dynamic shapes), a step being forward, backward and the optimiser update. The compiled module shares
 the eager one's parameters, so the two alternate in blocks over the same batches and drift in the machine's speed hits
 both alike. The first compiled steps, which include compilation, are reported apart from the steady
-state. Needs data/tokenized (`dvc repro tokenize`). Not part of `python -m bench`: compiling takes
+state. Needs data/tokenized/base (`dvc repro tokenize@base`). Not part of `python -m bench`: compiling takes
 minutes on 2 cores.
 """
 
@@ -50,7 +50,7 @@ def main(steps: int = typer.Option(24, help="timed steady-state steps per mode")
          bf16: bool = typer.Option(None, help="override train.bf16 of the variant"),
          variant: str = typer.Option("base"),
          params_file: Path = typer.Option(Path("params.yaml")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized/base")),
          json_out: Path = typer.Option(None, help="also write the figures here")) -> None:
     setup_logging()
     params = variant_params(params_file, variant)

@@ -10,7 +10,7 @@ between (a) the stage as it runs (mtbert's masks) and (b) the same run as it ran
 dropout modules call `F.dropout`, and the encoders run transformers' eager attention, which calls it too.
 
 The two arms draw different masks, so their results differ (three paired seeds decide that, not this probe).
-Needs data/tokenized (`dvc repro tokenize`). Not part of `python -m bench`.
+Needs data/tokenized/base (`dvc repro tokenize@base`). Not part of `python -m bench`.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def main(steps: int = typer.Option(24, help="timed training steps per arm"),
          mask_repeats: int = typer.Option(50, help="masks drawn per way for the masks-alone timing"),
          variant: str = typer.Option("base"),
          params_file: Path = typer.Option(Path("params.yaml")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized/base")),
          json_out: Path = typer.Option(None, help="also write the figures here")) -> None:
     setup_logging("WARNING")
     params = variant_params(params_file, variant)

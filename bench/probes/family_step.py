@@ -6,7 +6,7 @@ Both drive the `train` stage's own run of the default variant (bench/common.py's
 `model.name` changed: the same params, the same sampler's steps over the same rows, each encoder reading
 its own tokenization of them (the other backbone's is written to a temporary folder by `tokenize`). A step
 is forward, backward and the optimiser update; the two alternate in blocks, so drift in the machine's speed
-hits both alike. Needs data/raw and data/tokenized (`dvc repro tokenize`), and the other backbone
+hits both alike. Needs data/raw and data/tokenized/base (`dvc repro tokenize@base`), and the other backbone
 (all-mpnet-base-v2: `make mpnet`).
 """
 
@@ -49,7 +49,7 @@ def main(other: str = typer.Option("sentence-transformers/all-mpnet-base-v2", he
          block: int = typer.Option(2, help="steps per block; the backbones alternate block by block"),
          variant: str = typer.Option("base"),
          params_file: Path = typer.Option(Path("params.yaml")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized/base")),
          json_out: Path = typer.Option(None, help="also write the figures here")) -> None:
     setup_logging()
     with tempfile.TemporaryDirectory() as folder:

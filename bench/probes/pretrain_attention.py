@@ -49,7 +49,7 @@ def timed_steps(run: masked_lm.MaskedLM, progress: masked_lm.Progress, implement
 def main(steps: int = typer.Option(48, help="timed steps per attention implementation"),
          block: int = typer.Option(4, help="steps per block; the two alternate block by block"),
          params_file: Path = typer.Option(Path("params.yaml")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized/base")),
          json_out: Path = typer.Option(None, help="also write the figures here")) -> None:
     setup_logging()
     params = load_params(params_file)  # pretrain.enabled need not be on: the probe runs the steps itself

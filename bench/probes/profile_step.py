@@ -6,7 +6,7 @@ The run is set up as the stage sets it up (bench/common.py `scratch_run`) and ea
 stage runs: `finetune.accumulate_gradients` (batch collation, forward, backward) and `finetune.update` (clipping, AdamW,
 the moving average). The operators' self CPU time is grouped into categories (matmuls, attention,
 LayerNorm, GELU, dropout, the embedding's gradient, the optimiser, the moving average, casts, ...); the
-rest of the wall time, outside any operator, is Python and collation overhead. Needs data/tokenized.
+rest of the wall time, outside any operator, is Python and collation overhead. Needs data/tokenized/base.
 
 `--epoch-end` (on by default) also times what the stage does once per epoch after its steps, the evaluation
 passes, as `epoch_end.evaluate_and_dump` and the raw weights' dev pass run them: the dev pass of the model kept
@@ -137,7 +137,7 @@ def main(steps: int = typer.Option(24, help="profiled steps"),
          warmup: int = typer.Option(4, help="steps run before profiling (oneDNN builds its kernels)"),
          variant: str = typer.Option("base"),
          params_file: Path = typer.Option(Path("params.yaml")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized")),
+         tokenized_dir: Path = typer.Option(Path("data/tokenized/base")),
          epoch_end: bool = typer.Option(True, help="also time an epoch end's evaluation passes"),
          json_out: Path = typer.Option(None, help="also write the breakdown here")) -> None:
     setup_logging("WARNING")

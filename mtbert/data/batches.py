@@ -151,7 +151,7 @@ def tokenized_input(tokenized_dir: Path | str, task: str, split: str) -> Path:
 def load_split(tokenized_dir: Path | str, task: Task, split: str, max_examples: int = 0) -> TaskSplit:
     path = tokenized_input(tokenized_dir, task.name, split)
     table = io.read_parquet(path, split_columns(task), "expected a split `tokenize` writes: run `dvc repro "
-                            "tokenize` again (or `dvc checkout data/tokenized` to restore it)")
+                            "tokenize` again (or `dvc checkout tokenize` to restore it)")
     if max_examples:
         table = table.slice(0, max_examples)
     labels = table.column("label").to_numpy(zero_copy_only=False).astype(np.float64)  # null -> NaN

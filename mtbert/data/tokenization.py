@@ -54,6 +54,18 @@ def encode_rows(tokenizer, rows, task: Task, *, max_length: int, batch_size: int
     return pa.table(columns, metadata={PAD_ID_KEY: str(tokenizer.pad_token_id)}), stats
 
 
+def retokenized(table: pa.Table, tokenizer, task: Task, *, max_length: int, batch_size: int) -> pa.Table:
+    """A tokenized table's rows in another tokenizer's tokens (e.g. the transfer set for a member of another
+    encoder); its ids, texts, labels and any other column kept."""
+    encoded, _ = encode_rows(tokenizer, table.select(["id", *task.text_columns]).to_pandas(), task,
+                             max_length=max_length, batch_size=batch_size)
+    encoded = encoded.set_column(encoded.schema.get_field_index("label"), "label", table.column("label"))
+    for name in table.column_names:
+        if name not in encoded.column_names:
+            encoded = encoded.append_column(name, table.column(name))
+    return encoded
+
+
 def _label_array(rows, task: Task) -> pa.Array:
     arrow_type = task.kind.label_type
     if "label" not in rows:

@@ -98,6 +98,8 @@ class OnnxPredictor:
         # `auto` in an ensemble's member: int8 for the tasks where the export found it good enough
         self.task_engines = manifest.get("task_engines", {}) if engine == "auto" else {}
         self.tokenizer = load_tokenizer(folder / manifest["tokenizer"], manifest["max_length"])
+        # two members with the same key tokenize alike: an ensemble encodes a text once for both
+        self.tokenizer_key = (manifest.get("files", {}).get(manifest["tokenizer"]), manifest["max_length"])
         self.pad_id = manifest.get("pad_id", 0)  # an export from before it was recorded is BERT's: 0
         if not isinstance(self.pad_id, int) or isinstance(self.pad_id, bool):
             raise ExportFolderError(f"{where}: pad_id is {self.pad_id!r}, expected the encoder's pad id (an integer), "
@@ -182,8 +184,9 @@ class OnnxPredictor:
 class ExportedEnsemble(MemberEnsemble):
     """An ensemble's export (`exports/ensemble`, mtbert/deploy/ensemble_export.py): its members' exports in
     one folder, used as one model. Per task, the members' predictions are averaged in the ensemble stage's
-    order. A text is checked, cleaned and tokenized once for each encoding its members read (a
-    bi-encoder reads each sentence, a cross-encoder the pair), not once per member."""
+    order. A text is checked and cleaned once, and tokenized once for each tokenizer and encoding its
+    members read (a bi-encoder reads each sentence, a cross-encoder the pair), not once per member: members
+    of one encoder share their tokens, and members of different encoders (BERT and MPNet) each get their own."""
 
     @classmethod
     def load(cls, folder: Path | str, **options) -> ExportedEnsemble:
@@ -200,20 +203,26 @@ class ExportedEnsemble(MemberEnsemble):
         return cls(members, {name: OnnxPredictor.load(folder / name, **options) for name in needed})
 
     def values(self, task_name: str, texts: Sequence[Text]) -> np.ndarray:
-        first = self.predictors[self.order(task_name)[0]]  # its tokenizer is every member's
-        task = first.task(task_name)
+        members = list(dict.fromkeys(self.order(task_name)))
+        task = self.predictors[members[0]].task(task_name)  # the task's checks and cleaning are every member's
         rows = [tuple(clean(text, task.replacements) for text in row) for row in check_texts(task, texts)]
-        encodings = {self.predictors[name].tasks[task_name].encoding for name in self.order(task_name)}
-        # one tokenizer: the members share the backbone (a variant cannot change model.name), and the
-        # export checked that their tokenizer files are the same
-        return self.values_of_tokens(task_name, {encoding: encode(first.tokenizer, encoding, rows)
-                                                 for encoding in sorted(encodings)})
+        encoded: dict[tuple, dict] = {}
+        for name in members:
+            reads = self.reads(name, task_name)
+            if reads not in encoded:
+                encoded[reads] = encode(self.predictors[name].tokenizer, reads[1], rows)
+        return self.values_of_tokens(task_name, {name: encoded[self.reads(name, task_name)] for name in members})
+
+    def reads(self, name: str, task_name: str) -> tuple:
+        """What a member reads of a task's text: its tokenizer and its encoding."""
+        predictor = self.predictors[name]
+        return predictor.tokenizer_key, predictor.tasks[task_name].encoding
 
     def values_of_tokens(self, task_name: str, tokens: dict[str, dict]) -> np.ndarray:
-        """The average over the task's members of their predictions of tokenized rows, given per encoding."""
+        """The average over the task's members of their predictions of tokenized rows, given per member."""
         order = self.order(task_name)
-        predictions = {name: self.predictors[name].values_of_tokens(
-            task_name, tokens[self.predictors[name].tasks[task_name].encoding]) for name in dict.fromkeys(order)}
+        predictions = {name: self.predictors[name].values_of_tokens(task_name, tokens[name])
+                       for name in dict.fromkeys(order)}
         return average(predictions, order)
 
     def order(self, task_name: str) -> list[str]:

@@ -5,6 +5,8 @@ member's export (mtbert/deploy/export.py: its graphs for the tasks the ensemble 
 fp32, its tokenizer) into one folder, with a manifest naming each task's members in the stage's order and
 a model card. `mtbert predict --model exports/ensemble`, `mtbert serve --model exports/ensemble` and
 `Predictor.load("exports/ensemble")` load it as one model (mtbert/deploy/engine.py `ExportedEnsemble`).
+Members may have different encoders: each is checked on its own variant's tokenized data
+(`<tokenized_root>/<member>`), and the export tokenizes a text once per tokenizer.
 
 int8 stays a choice per member and per task: a member's task runs its int8 graph only where int8 kept that
 task's dev headline within `export.int8_max_drop` of fp32 and ran faster on this machine. The members'
@@ -33,7 +35,7 @@ from mtbert import io
 from mtbert.data.batches import TaskSplit, load_split
 from mtbert.data.tasks import Task, tokenized_path
 from mtbert.deploy.engine import EXPORT_FORMAT, ExportedEnsemble
-from mtbert.deploy.export import ExportError, export_variant, parity_difference, token_lists
+from mtbert.deploy.export import export_variant, parity_difference, token_lists
 from mtbert.evaluation.members import read_members
 from mtbert.evaluation.metrics import overall, task_metrics
 from mtbert.evaluation.predictions import read_aligned
@@ -46,43 +48,35 @@ LATENCY_CALLS = 30  # one-text calls timed per task, after one untimed
 
 
 def export_ensemble(ensemble_file: Path, models_dir: Path, dumps_dir: Path, out_dir: Path, tasks: dict[str, Task],
-                    options: ExportParams, tokenized_dir: Path, threads: int = 0) -> dict:
-    """Write the ensemble's export to `out_dir` (whole or not at all); its report, for the metrics file."""
+                    options: ExportParams, tokenized_root: Path, threads: int = 0) -> dict:
+    """Write the ensemble's export to `out_dir` (whole or not at all); its report, for the metrics file.
+    Each member's tokenized data is `tokenized_root / <member>`."""
     members = read_members(ensemble_file)
     needed = sorted({name for order in members.values() for name in order})
     with io.atomic_dir(out_dir) as temp:
         reports = {}
         for name in needed:
-            reports[name] = export_variant(models_dir / name, temp / name, options, tokenized_dir, threads)
+            reports[name] = export_variant(models_dir / name, temp / name, options, tokenized_root / name, threads)
             gc.collect()  # the member's model and sessions, before the next one's
-        require_one_tokenizer(temp, needed)
         choices = {name: member_engines(reports[name], [t for t, order in members.items() if name in order],
                                         options) for name in needed}
         write_choices(temp, members, choices, ensemble_file, models_dir)
         report = measure_ensemble(temp, {name: tasks[name] for name in members}, models_dir, dumps_dir,
-                                  tokenized_dir, options, threads)
+                                  tokenized_root, options, threads)
         if report["int8_too_costly"]:  # the members' int8 drops added up: fp32 for those tasks
             choices = fp32_for(choices, report["int8_too_costly"])
             write_choices(temp, members, choices, ensemble_file, models_dir)
             for task in report["int8_too_costly"]:
                 report["dev"]["deployed"][task] = report["dev"]["onnx"][task]
             report["dev"]["deployed"]["overall"] = overall(report["dev"]["deployed"], tasks)
-        report["speed"] = ensemble_speed(temp, tokenized_dir, {name: tasks[name] for name in members}, options,
-                                         threads)
+        report["speed"] = ensemble_speed(temp, tokenized_root / needed[0], {name: tasks[name] for name in members},
+                                         options, threads)
         report["members"] = {name: {task: {"engine": engine, "reason": reason}
                                     for task, (engine, reason) in choices[name].items()} for name in needed}
         report["order"] = members
     log.info("%s: %d members; dev overall fp32 %.4f, as deployed %.4f", out_dir, len(needed),
              report["dev"]["onnx"]["overall"], report["dev"]["deployed"]["overall"])
     return report
-
-
-def require_one_tokenizer(folder: Path, members: list[str]) -> None:
-    """The members' tokenizers are one file: the ensemble tokenizes a text once per encoding."""
-    digests = {name: read_manifest(folder / name)["files"]["tokenizer.json"] for name in members}
-    if len(set(digests.values())) > 1:
-        raise ExportError(f"the members' tokenizers differ ({', '.join(sorted(digests))}); an ensemble's members "
-                          "must share model.name")
 
 
 def member_engines(report: dict, tasks: list[str], options: ExportParams) -> dict[str, tuple[str, str]]:
@@ -149,27 +143,31 @@ def write_card(folder: Path, members: dict[str, list[str]], choices: dict) -> No
     (folder / "README.md").write_text("\n".join(lines), encoding="utf-8")
 
 
-def measure_ensemble(folder: Path, tasks: dict[str, Task], models_dir: Path, dumps_dir: Path, tokenized_dir: Path,
+def measure_ensemble(folder: Path, tasks: dict[str, Task], models_dir: Path, dumps_dir: Path, tokenized_root: Path,
                      options: ExportParams, threads: int) -> dict:
     """The check against PyTorch, the difference from the ensemble's dumps, the dev metrics of the fp32 and
     the deployed graphs, and the tasks whose int8 graphs, together, cost more than export.int8_max_drop."""
-    dev = {name: load_split(tokenized_dir, task, "dev") for name, task in tasks.items()}
+    members = read_manifest(folder)["members"]
+    # each member's dev splits, tokenized by its own encoder; the ids and labels are every member's
+    dev = {member: {name: load_split(tokenized_root / member, task, "dev") for name, task in tasks.items()
+                    if member in members[name]} for member in {m for order in members.values() for m in order}}
     # PyTorch first, its models gone before ONNX Runtime's sessions load: together they set the peak
-    reference = pytorch_average(read_manifest(folder)["members"], models_dir, dev, options.check_rows)
+    reference = pytorch_average(members, models_dir, dev, options.check_rows)
     predictors = {engine: ExportedEnsemble.load(folder, engine=engine, batch_size=options.batch_size, threads=threads)
                   for engine in ("onnx", "auto")}
     metrics: dict = {"onnx": {}, "deployed": {}}
     parity, from_dumps = {}, {}
     for name, task in tasks.items():
-        tokens = split_tokens(predictors["onnx"], name, dev[name])
+        tokens = split_tokens(predictors["onnx"], name, {member: dev[member][name] for member in members[name]})
         fp32 = predictors["onnx"].values_of_tokens(name, tokens)
         rows = len(reference[name])
         parity[name] = parity_difference(name, reference[name], fp32[:rows], options.tolerance)
-        dumps = read_aligned(dumps_dir, task, "dev", dev[name].ids)
+        labelled = dev[members[name][0]][name]
+        dumps = read_aligned(dumps_dir, task, "dev", labelled.ids)
         from_dumps[name] = round(float(np.max(np.abs(dumps - fp32))), 6)
-        metrics["onnx"][name] = task_metrics(task, fp32, dev[name].labels)
+        metrics["onnx"][name] = task_metrics(task, fp32, labelled.labels)
         deployed = predictors["auto"].values_of_tokens(name, tokens)
-        metrics["deployed"][name] = task_metrics(task, deployed, dev[name].labels)
+        metrics["deployed"][name] = task_metrics(task, deployed, labelled.labels)
         for predictor in predictors.values():  # a session keeps buffers for the largest batch it ran
             predictor.release(name)
     for engine_metrics in metrics.values():
@@ -195,7 +193,7 @@ def ensemble_speed(folder: Path, tokenized_dir: Path, tasks: dict[str, Task], op
             "first_member": {"name": first, **latency(ensemble.first, texts)}}
 
 
-def pytorch_average(members: dict[str, list[str]], models_dir: Path, dev: dict[str, TaskSplit],
+def pytorch_average(members: dict[str, list[str]], models_dir: Path, dev: dict[str, dict[str, TaskSplit]],
                     rows: int) -> dict[str, np.ndarray]:
     """Per task, the average in the ensemble's order of its members' fp32 PyTorch predictions of the first
     `rows` dev rows: what the fp32 graphs must give. The ensemble stage's dumps cannot be that reference:
@@ -212,17 +210,17 @@ def pytorch_average(members: dict[str, list[str]], models_dir: Path, dev: dict[s
         model, _ = load_model(models_dir / name)
         for task, order in members.items():
             if name in order:
-                values[task][name] = predict_split(model, first_rows(dev[task], rows), CHECK_BATCH,
+                values[task][name] = predict_split(model, first_rows(dev[name][task], rows), CHECK_BATCH,
                                                    torch.device("cpu"))
         del model
         gc.collect()
     return {task: average(values[task], order) for task, order in members.items()}
 
 
-def split_tokens(ensemble: ExportedEnsemble, task: str, split: TaskSplit, rows: int | None = None) -> dict:
-    """A tokenized split's rows per encoding the task's members read."""
-    encodings = {ensemble.predictors[name].tasks[task].encoding for name in ensemble.order(task)}
-    return {encoding: token_lists(split, encoding, rows) for encoding in encodings}
+def split_tokens(ensemble: ExportedEnsemble, task: str, splits: dict[str, TaskSplit]) -> dict:
+    """Each of the task's members' rows as it reads them: its own tokenized split, in its encoding."""
+    return {name: token_lists(splits[name], ensemble.predictors[name].tasks[task].encoding)
+            for name in dict.fromkeys(ensemble.order(task))}
 
 
 def latency(predictor, texts: dict[str, list[tuple[str, ...]]]) -> dict:

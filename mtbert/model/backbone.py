@@ -158,5 +158,5 @@ def starting_point(backbone: str, pretrained: Path | None) -> str:
                             "writes); run `dvc repro pretrain` again")
     if source != backbone:
         raise BackboneError(f"{pretrained} was made from {source!r} but this variant's model.name is {backbone!r}; "
-                            "tokenize and pretrain use the shared model.name, so a variant cannot override it")
+                            "run `dvc repro pretrain@<variant>` (each variant has its own) again")
     return str(pretrained)

@@ -32,8 +32,11 @@ def model_index(name: str, tasks: dict[str, Task], dev: dict) -> list[dict]:
     return [{"name": name, "results": results}]
 
 
-def metadata(name: str, params: dict, tasks: dict[str, Task], dev: dict) -> str:
-    fields = {"base_model": params["model"]["name"], "license": params["model"]["license"], "language": ["en"],
+def metadata(name: str, params: dict, tasks: dict[str, Task], dev: dict, encoders: list[str] | None = None) -> str:
+    """The card's YAML header; `encoders`: the base models, where not params' one (an ensemble's members)."""
+    encoders = encoders or [params["model"]["name"]]
+    fields = {"base_model": encoders[0] if len(encoders) == 1 else encoders, "license": params["model"]["license"],
+              "language": ["en"],
               "library_name": "transformers", "tags": ["mtbert", "multitask", *sorted(set(KIND_PIPELINE.values()))],
               "datasets": [task.file_prefix for task in tasks.values()], "model-index": model_index(name, tasks, dev)}
     return "---\n" + yaml.safe_dump(fields, sort_keys=False, allow_unicode=True) + "---\n"
@@ -63,14 +66,14 @@ def usage(path: str, tasks: dict[str, Task], ensemble: bool = False) -> str:
     return f"```bash\n{command}\n```\n\n```python\n{load}\npredictor.predict({task.name!r}, {example})\n```\n"
 
 
-def limitations(params: dict) -> str:
+def limitations(params: dict, encoders: list[str] | None = None) -> str:
     lines = ["- Dev figures are the ones model selection saw (each task's epoch was chosen on dev); the "
              "ensemble's honest split-half estimate in `metrics/ensemble.json` is the fairer guess for new text.",
              "- English only; trained on short sentences (movie-review snippets, Quora questions, STS pairs), "
              f"truncated to {params['tokenize']['max_length']} tokens."]
-    note = BACKBONE_NOTES.get(params["model"]["name"])
-    if note:
-        lines.append(f"- {note}")
+    for encoder in encoders or [params["model"]["name"]]:
+        if encoder in BACKBONE_NOTES:
+            lines.append(f"- {BACKBONE_NOTES[encoder]}")
     return "\n".join(lines) + "\n"
 
 
@@ -123,14 +126,15 @@ def student_card(summary: dict, params: dict, tasks: dict[str, Task], path: str,
     return variant_card(summary, params, tasks, path, title=f"mtbert student `{summary['variant']}`", notes=notes)
 
 
-def ensemble_card(report: dict, params: dict, tasks: dict[str, Task], path: str) -> str:
-    """The ensemble's card, from metrics/ensemble.json's report and the shared params."""
+def ensemble_card(report: dict, params: dict, tasks: dict[str, Task], path: str, encoders: list[str]) -> str:
+    """The ensemble's card, from metrics/ensemble.json's report, the shared params and its members'
+    encoders (members may have their own `model.name`)."""
     dev = {name: {metric: value for metric, value in report[name].items()
                   if metric in task.kind.metric_names} for name, task in tasks.items()}
     members = "\n".join(f"- {name}: " + ", ".join(f"`{m}` ×{n}" for m, n in report[name]["members"].items())
                         for name in tasks)
     honest = ", ".join(f"{name} {report[name]['honest']['score']:.4f}" for name in tasks)
-    return (metadata("mtbert-ensemble", params, tasks, dev) +
+    return (metadata("mtbert-ensemble", params, tasks, dev, encoders) +
             f"\n# mtbert ensemble (`{report['method']}`)\n\n"
             f"Per task, the average of the unrounded predictions of its members, chosen on dev among the "
             f"variants {', '.join(f'`{v}`' for v in report['variants'])}:\n\n{members}\n\n"
@@ -138,4 +142,4 @@ def ensemble_card(report: dict, params: dict, tasks: dict[str, Task], path: str)
             f"\nHonest split-half estimate (members chosen on one half of dev, scored on the other): {honest}; "
             f"overall {report['honest_overall']:.4f}.\n\n"
             "## How to use\n\n" + usage(path, tasks, ensemble=True) +
-            "\n## Limitations\n\n" + limitations(params))
+            "\n## Limitations\n\n" + limitations(params, encoders))

@@ -122,6 +122,13 @@ def load_model(model_dir: Path) -> tuple[MultitaskModel | TaskSnapshots, dict]:
     return TaskSnapshots(snapshots, task_epochs).eval(), config
 
 
+def tokenizer_dir(model_dir: Path, config: dict) -> Path:
+    """Where a trained folder's tokenizer is: saved with its (first kept epoch's) shared encoder."""
+    if "task_epochs" in config:
+        model_dir = Path(model_dir) / epoch_dir(min(config["task_epochs"].values()))
+    return Path(model_dir) / SHARED_DIR
+
+
 def read_config(config_path: Path) -> dict:
     if not config_path.is_file():
         raise ModelFolderError(f"{config_path} is missing; expected a model folder written by `train` "
