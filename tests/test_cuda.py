@@ -29,6 +29,7 @@ from tests.test_train import training_width
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 FP32, BF16 = {(torch.float32, "cuda")}, {(torch.bfloat16, "cuda")}
+EAGER = {"capture": {"cuda": False}}  # the eager step, as the captured one's reference (capture is on by default)
 
 
 def linear_outputs():
@@ -47,7 +48,7 @@ def stage_paths(out: Path, tokenized: Path) -> Paths:
 def train_in_process(out: Path, backbone: Path, tokenized: Path, **train) -> tuple[dict, set]:
     """One epoch of the `train` stage's run in this process; its summary and the Linear outputs seen."""
     params = make_params(out, backbone, Path("unused"), heads={task: {"dropout": 0.0} for task in TASKS},
-                         train={"epochs": 1, **train})
+                         train={"epochs": 1, **train}, runtime=EAGER)
     with linear_outputs() as seen:
         summary = train_summary(variant_params(params, "base"), "base", stage_paths(out, tokenized))
     return summary, seen
@@ -104,7 +105,7 @@ def test_static_shapes_on_the_gpu_pad_every_training_batch_and_train_what_unpadd
         out.mkdir()
         params = make_params(out, dropout_free_backbone, Path("unused"), train={"epochs": 1},
                              heads={task: {"dropout": 0.0} for task in TASKS},
-                             runtime={"pad_to_multiple": {"cuda": multiple}})
+                             runtime={"pad_to_multiple": {"cuda": multiple}, **EAGER})
         with recorded_forwards(training_width) as widths[multiple]:
             summaries[multiple] = train_summary(variant_params(params, "base"), "base",
                                                 stage_paths(out, tiny_tokenized))
@@ -190,7 +191,7 @@ def test_training_through_nccl_collectives_equals_the_plain_run(tmp_path, fp32_r
 def test_a_killed_cuda_run_resumes_to_the_uninterrupted_result(tmp_path, tiny_backbone, tiny_tokenized, ema):
     # dropout on: the resumed run draws the same masks only from the checkpoint's CUDA generator state;
     # with the moving average on, the kept model is the average, restored from the checkpoint on the GPU
-    params = make_params(tmp_path, tiny_backbone, Path("unused"), train={"epochs": 1, "ema": ema})
+    params = make_params(tmp_path, tiny_backbone, Path("unused"), train={"epochs": 1, "ema": ema}, runtime=EAGER)
     run_training(params, tiny_tokenized, tmp_path / "a")
     command = train_command(params, tmp_path / "b", tiny_tokenized)
     kill_once_checkpointed(command, tmp_path / "b" / "ck" / "base" / "last.pt")  # at update 3 of 12
@@ -239,7 +240,7 @@ def replayed_losses(backbone: Path, out: Path, tokenized: Path) -> tuple[float, 
     for _ in range(20):  # a key's first step is eager, its second captured
         if run.captured.graphs:
             break
-        run.captured.step(run, progress, (next(iter(run.tasks)),))
+        run.captured.step(run, progress, (next(iter(run.tasks)),), ends_update=True)
     assert run.captured.graphs and not run.captured.failed
     graph = next(iter(run.captured.graphs.values()))
     weights = [p.detach().clone() for p in run.model.parameters()]
@@ -284,10 +285,10 @@ def test_a_non_finite_loss_in_a_replayed_step_stops_the_run_naming_it(tmp_path, 
     monkeypatch.setattr(run.objective, "losses", {task: lambda outputs, batch, unit=unit: unit(outputs, batch) * poison
                                                   for task, unit in real_losses.items()})
 
-    def step(run, progress, tasks):
+    def step(run, progress, tasks, **options):  # the loop's keywords (ends_update), whatever they become
         if progress.step_in_epoch == 8:
             poison.fill_(float("nan"))
-        real_step(run, progress, tasks)
+        real_step(run, progress, tasks, **options)
 
     monkeypatch.setattr(run.captured, "step", step)
     with pytest.raises(TrainingError, match=r"non-finite (sst|qqp|sts) loss \(nan\) at epoch 1 step 9"):

@@ -138,7 +138,7 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
                      train_data, dev_data, snapshot_data, row_lengths, streams, optimizer, scheduler, objective,
                      step_hooks(p, model, ranks, device, objective, average), average, steps, Stopwatch(),
                      FiniteWatch(paths.checkpoints, "Lower train.lr or turn off train.bf16."))
-    if device.type == "cuda" and params.runtime.capture.cuda:  # never on a CPU, and off by default
+    if device.type == "cuda" and params.runtime.capture.cuda:  # never on a CPU; on a GPU by default
         run.captured = captured_steps(run)
     return run
 

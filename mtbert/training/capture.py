@@ -103,10 +103,11 @@ class CapturedSteps:
         run.objective.autocast_cache = False  # a graph must not hold casts cached by another step's pass
         self.lrs: torch.Tensor | None = None  # every group's lr, on the device (`_put_lr_on_device`)
 
-    def step(self, run, progress, tasks: tuple[str, ...], ends_update: bool = True) -> None:
+    def step(self, run, progress, tasks: tuple[str, ...], ends_update: bool) -> None:
         """One whole step (its batches, forward, loss, backward, clipping, AdamW, the moving average), then
         the LR schedule's step; the step's losses and counts added to the epoch's totals. Every step ends an
-        update (`ends_update`): a captured run has train.grad_accum 1."""
+        update (`ends_update` is always true: a captured run has train.grad_accum 1). Its signature is
+        `finetune.eager_step`'s, which the loop calls alike (tests/test_capture.py holds them equal)."""
         self._put_lr_on_device(run)
         pieces = []
         for task in tasks:
