@@ -34,15 +34,20 @@ def test_the_overall_rate_weights_each_task_by_its_share_of_the_batches():
     assert mixed_rate(tallies, {"sst": 0.0, "qqp": 1.0})["examples_per_second"] == 20.0
 
 
-@pytest.mark.parametrize("batches_per_epoch, timed_steps", [(267, 12), (96, 12), (4, 2), (13, 12), (12, 12)])
+@pytest.mark.parametrize("batches_per_epoch, timed_steps", [(267, 12), (96, 12), (4, 2), (13, 12)])
 def test_the_timed_batches_spread_over_one_epoch(batches_per_epoch, timed_steps):
     """The warm-up batch, then `timed_steps` batches each after `batches_between` dropped ones: all inside the
     first epoch (the next one restarts the Trainer's longest-first order), the last in its final stretch."""
     gap = batches_between(batches_per_epoch, timed_steps)
     taken = [step * (gap + 1) for step in range(timed_steps + 1)]  # positions drawn: warm-up first
-    if batches_per_epoch > timed_steps:
-        assert taken[-1] < batches_per_epoch
-        assert batches_per_epoch - taken[-1] <= 2 * (gap + 1)
+    assert taken[-1] < batches_per_epoch
+    assert batches_per_epoch - taken[-1] <= 2 * (gap + 1)
+
+
+def test_an_epoch_too_short_for_the_warm_up_and_the_timed_batches_drops_none():
+    """12 batches for a warm-up and 12 timed ones: none is dropped, so only the last timed batch comes from
+    the next epoch."""
+    assert batches_between(12, 12) == 0
 
 
 def test_padding_counts_each_batch_padded_to_its_longest_row_per_token_column():

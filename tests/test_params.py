@@ -15,14 +15,11 @@ def raw_params() -> dict:
 
 def test_repository_params_file_is_valid():
     params = load_params(REPO_ROOT / "params.yaml")
-    assert params.tokenize.max_length == 128
-    assert params.model.name == "sentence-transformers/all-MiniLM-L6-v2"
+    assert params.model.name == "sentence-transformers/all-MiniLM-L6-v2"  # the packaged backbone: no hub here
     names = ["sst", "qqp", "sts"]
     assert list(params.tasks) == list(params.heads) == names
     assert list(params.train.batch_size) == list(params.smart.task_lambda) == names
     assert params.heads["sts"].target == "raw" and params.heads["sst"].encoding is None
-    assert params.runtime.threads == 2
-    assert (params.runtime.checkpoint_every.train, params.runtime.checkpoint_every.pretrain) == (200, 250)
 
 
 @pytest.mark.parametrize(("section", "key", "accepts"), [

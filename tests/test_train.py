@@ -123,10 +123,16 @@ def test_the_finite_watch_reads_every_pending_loss_at_once_and_names_the_first_b
 
 
 def test_bf16_autocast_trains_on_cpu(tmp_path, tiny_backbone, tiny_tokenized):
+    """`train.bf16: true` runs every Linear of the training and its dev passes in bf16 on a CPU too, and the
+    summary says so (tests/test_cuda.py checks the same on a GPU); were the flag ignored, this would fail."""
     params_file = make_params(tmp_path, tiny_backbone, Path("unused"), train={"bf16": True, "epochs": 1})
     paths = Paths(tokenized=tiny_tokenized, model_out=tmp_path / "m", metrics_out=tmp_path / "m.json",
                   live_dir=tmp_path / "live", checkpoints=tmp_path / "ck")
-    summary = train_summary(variant_params(params_file, "base"), "base", paths)
+    with recorded_forwards(lambda module, output: output.dtype if isinstance(module, torch.nn.Linear) else None) \
+            as dtypes:
+        summary = train_summary(variant_params(params_file, "base"), "base", paths)
+    assert dtypes == {torch.bfloat16}
+    assert summary["speed"]["bf16"] is True
     assert all(np.isfinite(loss) for loss in summary["epochs"][0]["train_loss"].values())
     assert -1.0 <= summary["dev"]["sts"]["pearson"] <= 1.0
 
