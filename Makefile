@@ -8,7 +8,7 @@ VENV := .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: install repro members mpnet test check lint results
+.PHONY: install repro members mpnet test check lint results plots
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,10 @@ test: lint
 
 check: lint
 	pytest -m "not slow"
+
+plots: install  # `dvc plots show`'s page (dvc_plots/index.html), with Vega inline: it renders offline
+	python -m mtbert.offline_plots .dvc/tmp/plots-offline.html
+	dvc plots show --html-template .dvc/tmp/plots-offline.html
 
 results: install  # rewrite the README's results block from metrics/stats.json and metrics/ensemble.json
 	python -m mtbert.evaluation.report

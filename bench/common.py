@@ -91,14 +91,15 @@ def free_port() -> int:
 
 
 def start_server(log: Path, *arguments, timeout: float = 120, env: dict | None = None,
-                 new_session: bool = False) -> tuple[subprocess.Popen, str]:
-    """`mtbert serve` on a free loopback port (its stderr to `log`; `env` added to the environment; in a
-    process group of its own with `new_session`), once /health answers: the process and its base URL."""
+                 new_session: bool = False, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """`mtbert serve` on a loopback port (`port`, else a free one; its stderr to `log`; `env` added to the
+    environment; in a process group of its own with `new_session`), once /health answers: the process and
+    its base URL."""
     import os
 
     import httpx
 
-    port = free_port()
+    port = port or free_port()
     with log.open("w") as stderr:  # a file, not a pipe: a pipe nobody reads could fill and block the server
         process = subprocess.Popen([sys.executable, "-m", "mtbert.cli", "serve", "--host", "127.0.0.1", "--port",
                                     str(port), *map(str, arguments)], stdout=subprocess.DEVNULL, stderr=stderr,

@@ -30,7 +30,7 @@ import typer
 
 from bench.common import load_test, peak_rss_mib, start_server, stop_server, verdict
 from bench.latency import batched_rates, single_sentence_ms
-from mtbert.deploy.ensemble_export import dev_texts
+from mtbert.export.ensemble import dev_texts
 
 TARGETS = {"cold_start_seconds": 1.5, "single_sentence_p50_ms": 5.0, "batched_speedup": 2.0}
 app = typer.Typer(add_completion=False)
@@ -39,7 +39,7 @@ app = typer.Typer(add_completion=False)
 # --- the engines ----------------------------------------------------------------------------------------
 def torch_engine(model_dir: Path, threads: int, batch_size: int):
     """PyTorch on the trained folder (`mtbert predict --engine torch`), in this process."""
-    from mtbert.deploy.predictors import load_predictor
+    from mtbert.predictors import load_predictor
 
     return load_predictor(model=model_dir, ensemble=None, models_dir=model_dir.parent, engine="torch",
                           batch_size=batch_size, threads=threads)

@@ -130,7 +130,7 @@ def main(model: Path = typer.Option(Path("exports/ensemble"), help="the export t
 
     from mtbert import io
     from mtbert.deploy.engine import load_export
-    from mtbert.deploy.ensemble_export import dev_texts
+    from mtbert.export.ensemble import dev_texts
 
     sentences = [row[0] for row in dev_texts(tokenized_dir, {task: load_export(model).tasks[task]}, 1000)[task]]
     server_args = (*(("--threads", threads) if threads else ()), *server_arg)

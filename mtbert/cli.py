@@ -13,13 +13,15 @@ file (a header naming the task's text columns, e.g. `sentence` or `sentence1` an
 optional `id`) or a JSON-lines file (objects with those keys), `-` for standard input. Each output line
 holds the row's id, its texts and every requested task's result (see mtbert/inference.py). An export
 (`--model exports/<variant>`, or an ensemble whose members are exports) runs on ONNX Runtime without
-importing torch (mtbert/deploy/predictors.py); a trained folder on PyTorch. A bad input or model folder is
+importing torch (mtbert/predictors.py); a trained folder on PyTorch. A bad input or model folder is
 one line on stderr (`error: ...`) and exit status 1; the output file is written whole or not at all.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
+import inspect
 import io as text_io
 import json
 import sys
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import typer
 
-from mtbert.deploy.serve_config import Admission, Batching, Limits, Operations
+from mtbert.deploy.serve_config import ServeOption, serve_options
 from mtbert.runtime import UserError, run_app
 
 app = typer.Typer(add_completion=False, help="Use the models mtbert trained.")
@@ -57,7 +59,7 @@ def predict(texts: list[str] = typer.Argument(None, help="texts; for pair tasks 
                                                "that pass validation, and list each one skipped (its row number "
                                                "and why) on stderr; default: a bad row refuses the file")) -> None:
     """Predict the requested tasks for every text, one JSON line per input row."""
-    from mtbert.deploy.predictors import load_predictor
+    from mtbert.predictors import load_predictor
 
     if (model is None) == (ensemble is None):
         raise CommandInputError("give exactly one of --model (a variant's folder or its export) or --ensemble "
@@ -104,9 +106,9 @@ def export(model: Path = typer.Option(..., "--model", help="a trained variant's 
            threads: int = typer.Option(None, min=0, help="CPU threads (default: runtime.threads)")) -> None:
     """Export a trained variant to ONNX: per task an fp32 graph (and int8), the tokenizer, a manifest."""
     from mtbert import io, layout
-    from mtbert.deploy.export import export_variant
-    from mtbert.deploy.predictors import quiet_transformers
+    from mtbert.export.variant import export_variant
     from mtbert.params_file import load_params, with_changes
+    from mtbert.predictors import quiet_transformers
     from mtbert.runtime import setup_logging, setup_torch
 
     setup_logging()
@@ -121,66 +123,43 @@ def export(model: Path = typer.Option(..., "--model", help="a trained variant's 
     print(f"{out}: default engine {report['engine']} ({report['reason']})")
 
 
-@app.command()
-def serve(model: Path = typer.Option(None, "--model", help="an export (exports/base) or a trained folder"),
-          ensemble: Path = typer.Option(None, "--ensemble", help="the ensemble's metrics/ensemble.json"),
-          models_dir: Path = typer.Option(Path("models"), help="with --ensemble: where its members' folders are"),
-          engine: str = typer.Option("auto", help="auto | onnx | int8 | torch, as for `mtbert predict`"),
-          host: str = typer.Option("127.0.0.1", help="the address to listen on (0.0.0.0: every interface)"),
-          port: int = typer.Option(8000, min=0, max=65535),
-          workers: int = typer.Option(1, min=1, help="server processes, each with its own copy of the model"),
-          threads: int = typer.Option(0, min=0, help="CPU threads per worker; 0 = the cores shared among the "
-                                                     "workers"),
-          max_texts: int = typer.Option(Limits.max_texts, min=1, help="texts (or pairs) per request"),
-          max_chars: int = typer.Option(Limits.max_chars, min=1, help="characters per text"),
-          max_body_bytes: int = typer.Option(Limits.max_body_bytes, min=64, help="bytes of a request's body"),
-          max_batch: int = typer.Option(Batching.max_batch, min=1,
-                                        help="texts per engine call, across concurrent requests"),
-          max_batch_chars: int = typer.Option(Batching.max_batch_chars, min=1,
-                                              help="characters per engine call: long texts go in smaller calls"),
-          batch_wait_ms: float = typer.Option(Batching.wait_ms, min=0.0,
-                                              help="how long a batch waits for more requests"),
-          max_concurrent_requests: int = typer.Option(
-              Admission.max_concurrent_requests, min=1,
-              help="/predict requests inside a worker (read, queued or computed); past it 429 at once"),
-          max_queued_texts: int = typer.Option(Admission.max_queued_texts, min=1,
-                                               help="texts waiting for the engine in a worker; past it 429 at once"),
-          request_timeout: float = typer.Option(Admission.request_timeout, min=0.1,
-                                                help="seconds to answer a /predict request; past it 503, and it is "
-                                                     "dropped from the queue"),
-          read_timeout: float = typer.Option(Limits.read_timeout, min=0.1,
-                                             help="seconds to receive a request's headers, and again its body (408)"),
-          api_key: str = typer.Option(None, envvar="MTBERT_API_KEY", show_envvar=True,
-                                      help="a bearer token that /predict and /metrics ask for (401 without it); "
-                                           "better given in the environment, which `ps` does not show"),
-          access_log: str = typer.Option(Operations.access_log,
-                                         help="one line per request on stderr: none | text | json"),
-          grace: float = typer.Option(30.0, min=0.0, help="seconds a shutdown (SIGTERM, SIGINT) waits for "
-                                                          "the requests in flight before it refuses them (503)"),
-          ) -> None:
+def serve(**values) -> None:
     """Serve the model over HTTP: POST /predict, GET /tasks, /health, /ready, /metrics (docs/inference.md)."""
-    from mtbert.deploy.serve_config import ACCESS_LOGS, ServeConfig
+    from mtbert.deploy.serve_config import from_options
     from mtbert.deploy.server import run_server
+    from mtbert.predictors import serving_predictor
 
-    if (model is None) == (ensemble is None):
+    for described in serve_options():
+        if described.choices and values[described.keyword] not in described.choices:
+            raise CommandInputError(f"--{described.flag} {values[described.keyword]!r}: expected one of "
+                                    f"{', '.join(described.choices)}")
+    config, listening = from_options(values)
+    if (config.model is None) == (config.ensemble is None):
         raise CommandInputError("give exactly one of --model (an export or a trained folder) or --ensemble "
                                 "(metrics/ensemble.json)")
-    if access_log not in ACCESS_LOGS:
-        raise CommandInputError(f"--access-log {access_log!r}: expected one of {', '.join(ACCESS_LOGS)}")
-    threads = threads or worker_threads(workers)
-    warning = oversubscription(workers, threads, cpu_count())
+    threads = config.threads or worker_threads(listening.workers)
+    warning = oversubscription(listening.workers, threads, cpu_count())
     if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    config = ServeConfig(model=model and str(model), ensemble=ensemble and str(ensemble), models_dir=str(models_dir),
-                         engine=engine, threads=threads,
-                         limits=Limits(max_texts=max_texts, max_chars=max_chars, max_body_bytes=max_body_bytes,
-                                       read_timeout=read_timeout),
-                         admission=Admission(max_concurrent_requests=max_concurrent_requests,
-                                             max_queued_texts=max_queued_texts, request_timeout=request_timeout),
-                         batching=Batching(max_batch=max_batch, max_batch_chars=max_batch_chars,
-                                           wait_ms=batch_wait_ms),
-                         operations=Operations(api_key=api_key or None, access_log=access_log))
-    run_server(config, host=host, port=port, workers=workers, grace=grace)
+    config = dataclasses.replace(config, threads=threads,
+                                 operations=dataclasses.replace(config.operations,
+                                                                api_key=config.operations.api_key or None))
+    run_server(config, serving_predictor, host=listening.host, port=listening.port, workers=listening.workers,
+               grace=listening.grace)
+
+
+def command_parameters(options: list[ServeOption]) -> inspect.Signature:
+    """The command's parameters, one typer option per ServeOption: `mtbert serve --help` is the description."""
+    return inspect.Signature([
+        inspect.Parameter(described.keyword, inspect.Parameter.KEYWORD_ONLY, annotation=described.type,
+                          default=typer.Option(described.default, f"--{described.flag}", help=described.help,
+                                               min=described.min, max=described.max,
+                                               envvar=described.envvar or None, show_envvar=bool(described.envvar)))
+        for described in options])
+
+
+serve.__signature__ = command_parameters(serve_options())
+app.command()(serve)
 
 
 def cpu_count() -> int:

@@ -34,8 +34,8 @@ from mtbert.data.rawdata import clean_text
 from mtbert.data.tasks import Task
 from mtbert.data.tokenization import encode_rows
 from mtbert.deploy.engine import is_export, load_export
+from mtbert.deploy.members import MemberEnsemble
 from mtbert.evaluation.evaluate import predict_split
-from mtbert.evaluation.members import MemberEnsemble
 from mtbert.inputs import InputError, Text, check_texts
 from mtbert.model.backbone import load_tokenizer
 from mtbert.model.saved import load_model, tokenizer_dir

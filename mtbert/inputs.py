@@ -1,6 +1,6 @@
 """What both prediction engines (PyTorch's mtbert/inference.py, ONNX Runtime's mtbert/deploy/engine.py) read
 besides a model: the texts, checked and cleaned (the ensemble of member predictors is
-mtbert/evaluation/members.py's).
+mtbert/deploy/members.py's).
 
 Imports nothing heavy, so the ONNX engine's command starts fast. A task here is anything with a `name` and
 `text_columns` (a data.tasks.Task, or an exported task).

@@ -1,4 +1,4 @@
-"""Stage `export@<model>`: a trained model as deployable ONNX graphs (mtbert/deploy/export.py), for each
+"""Stage `export@<model>`: a trained model as deployable ONNX graphs (mtbert/export/variant.py), for each
 name in export.models: a variant (a key of `models:`) or a distilled student (a key of distill.students).
 
 Writes exports/<model>/ (per task an fp32 graph and, with `export.int8`, an int8 one, `tokenizer.json`
@@ -17,7 +17,7 @@ from pathlib import Path
 import typer
 
 from mtbert import io, layout
-from mtbert.deploy.export import export_variant
+from mtbert.export.variant import export_variant
 from mtbert.params_file import load_params, student_params, variant_params
 from mtbert.runtime import limit_memory_growth, run_app, setup_logging, setup_torch
 

@@ -1,4 +1,4 @@
-"""Stage `export_ensemble`: the ensemble as one deployable model (mtbert/deploy/ensemble_export.py).
+"""Stage `export_ensemble`: the ensemble as one deployable model (mtbert/export/ensemble.py).
 
 Reads metrics/ensemble.json (each task's members, in the ensemble stage's order), the members' trained
 folders and the ensemble's dev dumps (data/ensemble/). Writes exports/ensemble/: each member's export
@@ -18,7 +18,7 @@ import typer
 
 from mtbert import io
 from mtbert.data.tasks import tasks_from_params
-from mtbert.deploy.ensemble_export import export_ensemble
+from mtbert.export.ensemble import export_ensemble
 from mtbert.params_file import load_params
 from mtbert.runtime import limit_memory_growth, run_app, setup_logging, setup_torch
 

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mtbert.deploy.engine import OnnxEnsemblePredictor, OnnxPredictor, resolve_engine
-from mtbert.deploy.export import ExportError, choose_engine, parity_difference
+from mtbert.export.variant import ExportError, choose_engine, parity_difference
 from mtbert.integrity import IntegrityError, verify, write_manifest
 from tests.commands import mtbert_in_process
 from tests.conftest import REPO_ROOT
@@ -357,7 +357,7 @@ def test_int8_leaves_products_with_a_vector_weight_in_fp32(tmp_path):
     from onnx import TensorProto, helper, numpy_helper
     from onnxruntime import InferenceSession
 
-    from mtbert.deploy.quantize import quantize, vector_products
+    from mtbert.export.quantize import quantize, vector_products
 
     rng = np.random.default_rng(0)
     matrix = numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "matrix")

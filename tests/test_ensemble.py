@@ -6,8 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 from scipy import stats
 
+from mtbert.deploy.members import average
 from mtbert.evaluation.ensemble import dev_halves, greedy_select, honest_estimate
-from mtbert.evaluation.members import average
 from mtbert.evaluation.metrics import headline, overall, task_metrics
 from mtbert.evaluation.plots import write_plot_tables
 from mtbert.evaluation.predictions import read_dump, submission_path, write_dump, write_submission

@@ -1,4 +1,4 @@
-"""The ensemble as one deployable model (stage `export_ensemble`, mtbert/deploy/ensemble_export.py), on the
+"""The ensemble as one deployable model (stage `export_ensemble`, mtbert/export/ensemble.py), on the
 two small variants of tests/deployed.py (a cross-encoder and a bi-encoder, averaged uniformly): its
 predictions are the ensemble stage's dumps, and `mtbert predict`, `Predictor.load` and `mtbert serve` take
 it as one model."""
@@ -155,7 +155,7 @@ def test_the_bench_times_the_exported_ensemble_against_its_members(exported, dep
 
 
 def test_a_task_whose_int8_members_add_up_to_too_large_a_drop_runs_fp32_in_every_member():
-    from mtbert.deploy.ensemble_export import fp32_for
+    from mtbert.export.ensemble import fp32_for
 
     choices = {"a": {"sst": ("int8", "fine"), "qqp": ("int8", "fine")}, "b": {"sst": ("int8", "fine")}}
     changed = fp32_for(choices, {"sst": 0.0064})

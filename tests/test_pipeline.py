@@ -280,6 +280,17 @@ def test_plots_show_one_chart_of_curves_and_the_ensembles_plots_without_warnings
     assert {int(row["epoch"]) for row in values} == {1}  # epochs count from 1
 
 
+def test_the_plots_page_made_from_the_offline_template_loads_nothing_from_a_network(repo, tmp_path):
+    """`make plots`: Vega inline instead of DVC's CDN script tags, and every plot's vegaEmbed call kept."""
+    template = tmp_path / "offline.html"
+    subprocess.run([sys.executable, "-m", "mtbert.offline_plots", str(template)], cwd=REPO_ROOT, check=True,
+                   capture_output=True)
+    dvc(repo, "plots", "show", "--html-template", str(template), "-o", str(tmp_path / "page"))
+    page = (tmp_path / "page" / "index.html").read_text(encoding="utf-8")
+    assert "<script src=" not in page and "cdn.jsdelivr.net" not in page
+    assert "window.vegaEmbed=" in page and page.count("vegaEmbed('#") == 6  # the curves, 4 confusions, 1 scatter
+
+
 def test_queued_experiments_run_and_show_with_their_metrics(repo):
     git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
     subprocess.run([*git, "add", "-A"], cwd=repo, check=True)

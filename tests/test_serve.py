@@ -339,3 +339,91 @@ def test_a_layout_with_more_threads_than_cores_is_warned_about():
 
     assert oversubscription(1, 2, 2) is None and oversubscription(2, 1, 2) is None
     assert oversubscription(2, 2, 2).startswith("2 worker(s) x 2 thread(s) = 4 threads on 2 core(s)")
+
+
+def test_each_option_is_described_once_and_the_command_line_is_made_from_it(monkeypatch):
+    """serve_config's dataclasses describe every flag (default, bound, help, environment variable): a flag
+    sets its field, a bound and a choice are enforced, the api key comes from its variable, and every
+    described option is in `--help`."""
+    from typer.testing import CliRunner
+
+    from mtbert.cli import CommandInputError, app
+    from mtbert.deploy import server
+    from mtbert.deploy.serve_config import Admission, Listening, serve_options
+    from mtbert.predictors import serving_predictor
+
+    seen = {}
+    monkeypatch.setattr(server, "run_server",
+                        lambda config, load, **listening: seen.update(config=config, load=load, **listening))
+    result = CliRunner().invoke(app, ["serve", "--model", "m", "--max-texts", "7", "--batch-wait-ms", "5",
+                                      "--port", "9", "--threads", "1"], env={"MTBERT_API_KEY": "k"})
+    assert result.exit_code == 0, result.output
+    config = seen["config"]
+    assert (config.model, config.limits.max_texts, config.batching.wait_ms, config.operations.api_key,
+            config.threads) == ("m", 7, 5.0, "k", 1)
+    assert (seen["port"], seen["grace"], seen["workers"]) == (9, Listening.grace, 1)
+    assert config.admission == Admission()  # what was not given keeps its described default
+    assert seen["load"] is serving_predictor  # handed to the server, which imports nothing from above it
+    bound = CliRunner().invoke(app, ["serve", "--model", "m", "--max-texts", "0"])
+    assert bound.exit_code == 2 and "--max-texts" in bound.output
+    choice = CliRunner().invoke(app, ["serve", "--model", "m", "--access-log", "xml"])
+    assert isinstance(choice.exception, CommandInputError)
+    assert str(choice.exception) == "--access-log 'xml': expected one of none, text, json"
+    shown = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}).output
+    assert all(f"--{described.flag}" in shown for described in serve_options())
+
+
+def post_until_answered(http: httpx.Client, url: str, body: dict, request_id: str, deadline: float) -> httpx.Response:
+    """The client docs/serving.md shows: a 429 or 503 is sent again after its Retry-After, a refused or
+    dropped connection (the server restarting) after a moment; anything else is the answer."""
+    while time.monotonic() < deadline:
+        try:
+            answer = http.post(f"{url}/predict", json=body, headers={"X-Request-ID": request_id})
+        except httpx.TransportError:
+            time.sleep(0.2)
+            continue
+        if answer.status_code not in (429, 503):
+            return answer
+        time.sleep(float(answer.headers.get("Retry-After", "1")))
+    raise TimeoutError(f"request {request_id}: no answer before the deadline")
+
+
+@pytest.mark.slow(reason="two real servers, one after the other, under load")
+def test_a_retrying_client_gets_every_answer_once_across_a_drain_and_a_restart(deployed, tmp_path):
+    """N requests from 4 clients while the server drains on SIGTERM and a new one starts on the same port:
+    N answers, each request's own (its X-Request-ID) and the engine's, and no traceback in either log."""
+    engine = OnnxPredictor.load(deployed.exports / "bi", engine="onnx", threads=1)
+    port, requests = free_port(), 60
+    arguments = ("--model", deployed.exports / "bi", "--engine", "onnx", "--threads", "1")
+    first, url = start_server(tmp_path / "first.log", *arguments, port=port, timeout=STARTUP_SECONDS)
+    answers: dict[int, list[httpx.Response]] = collections.defaultdict(list)
+    deadline = time.monotonic() + STARTUP_SECONDS
+
+    def client(numbers: range) -> None:
+        with httpx.Client(timeout=60) as http:
+            for number in numbers:
+                answers[number].append(post_until_answered(
+                    http, url, {"task": "sst", "texts": [f"Film number {number}."]}, str(number), deadline))
+
+    clients = [threading.Thread(target=client, args=(range(k, requests, 4),)) for k in range(4)]
+    second = None
+    try:
+        for thread in clients:
+            thread.start()
+        while len(answers) < requests // 4 and time.monotonic() < deadline:  # a quarter answered: under load
+            time.sleep(0.01)
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=60) == 0
+        second, _ = start_server(tmp_path / "second.log", *arguments, port=port, timeout=STARTUP_SECONDS)
+        for thread in clients:
+            thread.join()
+    finally:
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                stop_server(process)
+    assert sorted(answers) == list(range(requests)) and all(len(got) == 1 for got in answers.values())
+    for number, (answer,) in answers.items():
+        assert answer.status_code == 200 and answer.headers["X-Request-ID"] == str(number)
+        assert_results_equal(answer.json()["results"], engine.predict("sst", [f"Film number {number}."]))
+    for log in ("first.log", "second.log"):
+        assert "Traceback" not in (tmp_path / log).read_text()

@@ -1,2 +1,3 @@
-"""Deploying a trained variant: ONNX export and int8 (`export`, `quantize`, torch side), the torch-free ONNX
-Runtime engine (`engine`), the choice of engine for a folder (`predictors`), and the HTTP server (`server`)."""
+"""Running exported models, torch-free: the ONNX Runtime engine (`engine`), the ensemble's members and their
+average (`members`), and the HTTP server (`server` and its pieces). It imports nothing from the layers above
+it (tests/test_imports.py); the export that writes the graphs is mtbert/export/."""

@@ -8,7 +8,7 @@
     GET  /ready    200 {"status": "ready"} once the model is loaded, 503 while starting or draining (readiness)
     GET  /metrics  Prometheus metrics (mtbert/deploy/metrics.py)
 
-The results are `mtbert predict`'s (the same engine: mtbert/deploy/predictors.py), computed in shared
+The results are `mtbert predict`'s (the same engine: mtbert/predictors.py), computed in shared
 batches (mtbert/deploy/batcher.py). Every refusal is a status and `{"error": "<one line>"}` naming the
 limit or row at fault, never the server's internals:
 - 400 a body that is not JSON; 404 an unknown task or path; 405 a wrong method;

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtbert.evaluation.members import MemberEnsemble, average
+from mtbert.deploy.members import MemberEnsemble, average
 from mtbert.inputs import InputError, Text, check_texts, clean
 from mtbert.integrity import MANIFEST_FILE, read_manifest, verify
 from mtbert.runtime import UserError
@@ -182,7 +182,7 @@ class OnnxPredictor:
 
 
 class ExportedEnsemble(MemberEnsemble):
-    """An ensemble's export (`exports/ensemble`, mtbert/deploy/ensemble_export.py): its members' exports in
+    """An ensemble's export (`exports/ensemble`, mtbert/export/ensemble.py): its members' exports in
     one folder, used as one model. Per task, the members' predictions are averaged in the ensemble stage's
     order. A text is checked and cleaned once, and tokenized once for each tokenizer and encoding its
     members read (a bi-encoder reads each sentence, a cross-encoder the pair), not once per member: members

@@ -8,7 +8,8 @@ The pieces, one job each:
 - mtbert/deploy/batcher.py: concurrent requests share engine calls, within a bounded queue;
 - mtbert/deploy/lifecycle.py and protocol.py: readiness, the drain on SIGTERM or SIGINT, read timeouts;
 - mtbert/deploy/supervisor.py: `--workers N`.
-This module loads the model, checking every graph, and starts the server.
+This module loads the model with the loader it is given (mtbert/predictors.py's `serving_predictor`: the
+runtime imports nothing from above it), checking every graph, and starts the server.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import functools
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 
 from mtbert.deploy.api import ENDPOINTS, create_app
 from mtbert.deploy.lifecycle import log, run_worker
@@ -30,12 +32,15 @@ def app_of(config: ServeConfig, predictor):
     return create_app(predictor, config.limits, config.batching, config.admission, config.operations)
 
 
-def serve_from_environment(sock, started, *, host: str, port: int, grace: float) -> None:
+Load = Callable[[ServeConfig], object]  # the model a configuration names, loaded and checked
+
+
+def serve_from_environment(sock, started, *, load: Load, host: str, port: int, grace: float) -> None:
     """One worker process of `--workers N`, configured by the parent through CONFIG_VARIABLE; `started` is
-    set once it serves."""
+    set once it serves. `load` reaches it pickled, by its module and name, as the spawned process's target."""
     config = ServeConfig.from_json(os.environ[CONFIG_VARIABLE])
     try:
-        predictor = config.predictor()
+        predictor = load(config)
     except (UserError, OSError) as error:  # one line; the supervisor counts the failed start
         log(f"error: {error}")
         sys.exit(1)
@@ -45,10 +50,10 @@ def serve_from_environment(sock, started, *, host: str, port: int, grace: float)
                supervised=True)
 
 
-def run_server(config: ServeConfig, *, host: str, port: int, workers: int, grace: float = 30.0) -> None:
-    """Serve until SIGTERM or SIGINT, then drain (mtbert/deploy/lifecycle.py): in this process, or in `workers`
-    processes that share the port."""
-    predictor = config.predictor()  # a bad folder or graph fails here, in one line, before any worker starts
+def run_server(config: ServeConfig, load: Load, *, host: str, port: int, workers: int, grace: float = 30.0) -> None:
+    """Serve `load(config)` until SIGTERM or SIGINT, then drain (mtbert/deploy/lifecycle.py): in this process,
+    or in `workers` processes that share the port."""
+    predictor = load(config)  # a bad folder or graph fails here, in one line, before any worker starts
     admission = config.admission
     log(f"http://{host}:{port} ({ENDPOINTS}); tasks {', '.join(predictor.tasks)}; {workers} worker(s), "
         f"{config.threads} thread(s) each; at most {admission.max_concurrent_requests} requests and "
@@ -63,5 +68,5 @@ def run_server(config: ServeConfig, *, host: str, port: int, workers: int, grace
     os.environ[CONFIG_VARIABLE] = config.to_json()
     with tempfile.TemporaryDirectory(prefix="mtbert-metrics-") as metrics_dir:
         os.environ[MULTIPROCESS_VARIABLE] = metrics_dir  # the workers' figures, added up by /metrics
-        supervise(functools.partial(serve_from_environment, host=host, port=port, grace=grace), workers,
+        supervise(functools.partial(serve_from_environment, load=load, host=host, port=port, grace=grace), workers,
                   host=host, port=port, grace=grace)

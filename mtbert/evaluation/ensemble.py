@@ -16,7 +16,7 @@ import hashlib
 import numpy as np
 
 from mtbert.data.tasks import Task
-from mtbert.evaluation.members import average
+from mtbert.deploy.members import average
 from mtbert.evaluation.metrics import headline, task_metrics
 from mtbert.evaluation.selection import best_epoch
 from mtbert.params import EnsembleParams

@@ -16,7 +16,7 @@ import numpy as np
 
 from mtbert.data.batches import TaskSplit, load_split
 from mtbert.data.tasks import Task
-from mtbert.evaluation.members import average, read_members
+from mtbert.deploy.members import average, read_members
 from mtbert.evaluation.predictions import dump_path, read_aligned, read_dump
 from mtbert.runtime import MissingInputError, UserError
 

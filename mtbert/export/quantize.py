@@ -3,7 +3,7 @@
 The weights of the matrix products are stored as int8 (per tensor, or per output channel); activations
 are quantized on the fly, per batch, so no calibration data is needed. Whether it pays is a property of the
 CPU (integer dot-product units) and whether it costs quality is one of the model: the `export` stage
-measures both on dev before making int8 the default engine (mtbert/deploy/export.py).
+measures both on dev before making int8 the default engine (mtbert/export/variant.py).
 """
 
 from __future__ import annotations

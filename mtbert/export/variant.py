@@ -40,9 +40,9 @@ from mtbert.data.batches import TaskSplit, load_split
 from mtbert.data.rawdata import PTB_ESCAPES
 from mtbert.data.tasks import Task
 from mtbert.deploy.engine import EXPORT_FORMAT, OnnxPredictor, batch_feed, encode, load_tokenizer
-from mtbert.deploy.quantize import quantize
 from mtbert.evaluation.evaluate import predict_split
 from mtbert.evaluation.metrics import overall, task_metrics
+from mtbert.export.quantize import quantize
 from mtbert.integrity import read_manifest, write_manifest
 from mtbert.model.architectures import SHARED_DIR, attention_implementation
 from mtbert.model.backbone import load_tokenizer as load_hf_tokenizer

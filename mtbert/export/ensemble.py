@@ -1,7 +1,7 @@
 """The ensemble as one deployable model (stage `export_ensemble`): exports/ensemble/.
 
 The ensemble stage chose, per task, which members to average (metrics/ensemble.json). This writes each
-member's export (mtbert/deploy/export.py: its graphs for the tasks the ensemble uses it for, int8 beside
+member's export (mtbert/export/variant.py: its graphs for the tasks the ensemble uses it for, int8 beside
 fp32, its tokenizer) into one folder, with a manifest naming each task's members in the stage's order and
 a model card. `mtbert predict --model exports/ensemble`, `mtbert serve --model exports/ensemble` and
 `Predictor.load("exports/ensemble")` load it as one model (mtbert/deploy/engine.py `ExportedEnsemble`).
@@ -35,10 +35,10 @@ from mtbert import io
 from mtbert.data.batches import TaskSplit, load_split
 from mtbert.data.tasks import Task, tokenized_path
 from mtbert.deploy.engine import EXPORT_FORMAT, ExportedEnsemble
-from mtbert.deploy.export import export_variant, parity_difference, token_lists
-from mtbert.evaluation.members import read_members
+from mtbert.deploy.members import read_members
 from mtbert.evaluation.metrics import overall, task_metrics
 from mtbert.evaluation.predictions import read_aligned
+from mtbert.export.variant import export_variant, parity_difference, token_lists
 from mtbert.integrity import read_manifest, write_manifest
 from mtbert.params import ExportParams
 
@@ -200,9 +200,9 @@ def pytorch_average(members: dict[str, list[str]], models_dir: Path, dev: dict[s
     `predict` wrote them in bf16 where `predict.bf16` chose it, a difference of about 1e-2."""
     import torch
 
-    from mtbert.deploy.export import CHECK_BATCH, first_rows
+    from mtbert.deploy.members import average
     from mtbert.evaluation.evaluate import predict_split
-    from mtbert.evaluation.members import average
+    from mtbert.export.variant import CHECK_BATCH, first_rows
     from mtbert.model.saved import load_model
 
     values: dict[str, dict[str, np.ndarray]] = {task: {} for task in members}

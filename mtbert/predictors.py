@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mtbert.deploy.engine import OnnxEnsemblePredictor, is_export, load_export
-from mtbert.evaluation.members import read_members
+from mtbert.deploy.members import read_members
 from mtbert.runtime import UserError
 
 ENGINE_CHOICES = ("auto", "onnx", "int8", "torch")
@@ -32,6 +32,18 @@ def load_predictor(*, model: Path | None, ensemble: Path | None, models_dir: Pat
     if onnx:
         return onnx_predictor(model, ensemble, models_dir, folders, engine, batch_size, threads, bf16)
     return torch_predictor(model, ensemble, models_dir, folders, batch_size, threads, bf16)
+
+
+def serving_predictor(config):
+    """The model `mtbert serve` serves (a ServeConfig's), every graph loaded and checked: a truncated or
+    foreign graph fails here, in one line. The server is handed this function: mtbert/deploy/ imports
+    nothing from above it, PyTorch's predictors included."""
+    predictor = load_predictor(model=config.model and Path(config.model),
+                               ensemble=config.ensemble and Path(config.ensemble), models_dir=Path(config.models_dir),
+                               engine=config.engine, batch_size=config.batching.max_batch, threads=config.threads)
+    if hasattr(predictor, "warm"):
+        predictor.warm()
+    return predictor
 
 
 def member_folders(ensemble: Path, models_dir: Path) -> list[Path]:
