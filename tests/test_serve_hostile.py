@@ -106,18 +106,20 @@ def test_past_its_bounds_the_server_answers_429_at_once_with_retry_after(strict)
     assert crowded.json()["error"] == ("overloaded: 0 texts are waiting for the engine; this request's 5 would "
                                        "pass the bound of 4 (--max-queued-texts); send it again after Retry-After")
 
-    def timed(index: int) -> tuple[int, float]:
-        started = time.monotonic()
+    def answered(index: int) -> tuple[int, float]:
         status = post(url, [f"Film {index}."]).status_code
-        return status, time.monotonic() - started
+        return status, time.monotonic()  # when its answer came
 
     with ThreadPoolExecutor(6) as pool:  # six at once against a bound of four: all arrive within one batch wait
-        outcomes = list(pool.map(timed, range(6)))
+        outcomes = list(pool.map(answered, range(6)))
     statuses = sorted(status for status, _ in outcomes)
     # four wait in the engine's batch for a second; the others, arriving meanwhile, are refused (a thread
     # started late on a loaded machine may find a slot freed: at least one is refused)
     assert set(statuses) == {200, 429} and statuses.count(200) >= 4, outcomes
-    assert all(seconds < BATCH_WAIT_MS / 1000 for status, seconds in outcomes if status == 429), outcomes
+    # at once: every 429 came back before the first 200, which waited for its batch (an order of events,
+    # not a number of seconds, which a busy machine would stretch)
+    first_200 = min(done for status, done in outcomes if status == 200)
+    assert all(done < first_200 for status, done in outcomes if status == 429), outcomes
 
 
 def test_a_bad_text_fails_only_its_own_request(strict):
@@ -166,7 +168,8 @@ def test_slow_headers_and_bodies_are_cut_off_after_the_read_timeout(strict):
     slow_headers.sendall(b"POST /predict HTTP/1.1\r\nHo")
     started = time.monotonic()
     assert slow_headers.recv(1000) == b""  # closed
-    assert READ_TIMEOUT * 0.9 <= time.monotonic() - started < READ_TIMEOUT + 5
+    # the timeout is the behaviour: never before it, and after it with slack far beyond scheduling noise
+    assert READ_TIMEOUT * 0.9 <= time.monotonic() - started < READ_TIMEOUT + 30
     slow_body = half_a_body(url)
     answer = until_closed(slow_body)
     assert answer.startswith("HTTP/1.1 408 ") and "connection: close" in answer.lower()
@@ -270,7 +273,8 @@ def test_an_unfinished_body_does_not_hold_a_shutdown_past_its_grace(deployed, tm
         signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
-        assert time.monotonic() - signalled < 1 + 2  # --grace + 2 s
+        # the grace (1 s) ended it, not the body's read timeout (60 s): slack far beyond scheduling noise
+        assert time.monotonic() - signalled < 30
         assert until_closed(connection).startswith("HTTP/1.1 503 ")
     finally:
         if process.poll() is None:
