@@ -472,7 +472,7 @@ class Params(Section):
             raise ValueError(f"data.unescape_ptb: unknown task {unknown[0]!r}; tasks declares {', '.join(self.tasks)}")
         if self.distill.variant not in self.models:  # dvc.yaml's transfer reads its data even when off
             raise ValueError(f"distill.variant: expected a key of models ({', '.join(self.models)}), "
-                             f"got {self.distill.variant!r}")
+                             f"got {self.distill.variant!r} (stage `transfer` reads its data, even with distill off)")
         unknown = [name for name in self.distill.transfer.rows if name not in self.tasks]
         if unknown:
             raise ValueError(f"distill.transfer.rows.{unknown[0]}: unknown task; tasks declares "

@@ -140,12 +140,12 @@ def test_students_cannot_share_a_name_with_a_variant_nor_follow_an_unknown_one(r
     raw_params["distill"]["students"] = {"base": 0}
     with pytest.raises(ParamsError, match=r"^params: distill.students.base: a student name .* cannot be a variant's"):
         parse_params(raw_params)
-    raw_params["distill"].update(students={"distilled": 0}, variant="nope", enabled=False)
-    parse_params(raw_params)  # off: a stale variant name stops nothing
-    raw_params["distill"]["enabled"] = True
-    with pytest.raises(ParamsError, match=r"^params: distill.variant: expected a key of models \(base, .*\), "
-                                          r"got 'nope'"):
-        parse_params(raw_params)
+    raw_params["distill"].update(students={"distilled": 0}, variant="nope")
+    for enabled in (True, False):  # off too: dvc.yaml's `transfer` reads data/tokenized/<distill.variant>
+        raw_params["distill"]["enabled"] = enabled
+        with pytest.raises(ParamsError, match=r"^params: distill.variant: expected a key of models \(base, .*\), "
+                                              r"got 'nope' \(stage `transfer` reads its data, even with distill off\)"):
+            parse_params(raw_params)
     raw_params["distill"]["variant"] = "base"
     raw_params["export"]["models"] = ["distilled", "nope"]
     with pytest.raises(ParamsError, match=r"^params: export.models: expected keys of models or of distill.students "
