@@ -28,13 +28,12 @@ logging.getLogger("httpx").setLevel(logging.WARNING)
 # --- training steps ----------------------------------------------------------------------------------------
 def timed_steps(run: FineTuning, progress: Progress, steps: list[tuple[str, ...]]) -> list[float]:
     """Seconds of each of these steps: forward, backward and the optimiser update, as training runs them."""
-    from mtbert.training.finetune import accumulate_gradients, update
+    from mtbert.training.step import step
 
     seconds = []
     for tasks in steps:
         started = time.perf_counter()
-        accumulate_gradients(run, progress, tasks)
-        update(run, progress)
+        step(run, progress, tasks, ends_update=True)
         run.finite.check()  # reads the step's losses: on a GPU, waits for the step to finish
         seconds.append(time.perf_counter() - started)
     return seconds

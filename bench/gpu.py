@@ -42,6 +42,7 @@ from mtbert.params import Params
 from mtbert.params_file import variant_params, with_changes
 from mtbert.runtime import setup_logging
 from mtbert.training.build import FineTuning
+from mtbert.training.capture import CapturedSteps
 from mtbert.training.finetune import fine_tune
 from mtbert.training.loop import Paths
 from mtbert.training.progress import Progress
@@ -85,13 +86,7 @@ class Side:
 
 
 def mtbert_side(name: str, run: FineTuning, progress: Progress) -> Side:
-    def step(task: str, rows) -> tuple[int, int]:
-        if run.captured is None:
-            return mtbert_step(run, progress, (task,))
-        before = progress.totals.examples, progress.totals.tokens
-        run.captured.step(run, progress, (task,))
-        return progress.totals.examples - before[0], progress.totals.tokens - before[1]
-    return Side(name, step, {task: Tally() for task in run.tasks})
+    return Side(name, lambda task, rows: mtbert_step(run, progress, (task,)), {task: Tally() for task in run.tasks})
 
 
 def peer_side(run: FineTuning, scratch: Path) -> Side:
@@ -159,7 +154,7 @@ def speed(params: Params, variant: str, tokenized: Path, scratch: Path, steps_pe
     if torch.cuda.is_available():
         captured, captured_progress = scratch_run(with_capture(params, True), variant, tokenized, scratch / "captured")
         captured.model.train()
-        if captured.captured is not None:
+        if isinstance(captured.compute, CapturedSteps):
             sides.append(mtbert_side("captured", captured, captured_progress))
     if peer:
         sides.append(peer_side(eager, scratch))

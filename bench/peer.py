@@ -12,8 +12,8 @@ A peer step is what `Trainer.train`'s inner loop does per batch with no gradient
 the batch with the Trainer's `DataCollatorWithPadding` (through `get_batch_samples` where the installed
 version has it), `training_step`, gradient clipping, `optimizer.step`, `lr_scheduler.step`, `zero_grad`;
 the model and optimiser prepared by the Trainer's `accelerator` as `train` prepares them (that is where
-bf16 autocast comes from). An mtbert step is what the `train` stage runs: `finetune.accumulate_gradients` then
-`finetune.update` (batch assembly, the objective, backward, the optimiser, the weights' moving average).
+bf16 autocast comes from). An mtbert step is what the `train` stage runs: training/step.py's `step` (batch assembly, the
+objective, backward, the optimiser, the weights' moving average, the LR schedule).
 
 Both train the same task mix: the steps are a subsequence of mtbert's own schedule (`schedule(run, 0)`,
 its first `steps_per_task` steps of each task, in schedule order), run by both sides alternating block by
@@ -48,8 +48,8 @@ from mtbert.data.batches import TaskSplit, bucketed_batches
 from mtbert.model.backbone import load_tokenizer, resolve_backbone, starting_point
 from mtbert.runtime import UserError
 from mtbert.training.build import FineTuning, schedule
-from mtbert.training.finetune import accumulate_gradients, update
 from mtbert.training.progress import Progress
+from mtbert.training.step import step
 
 
 @dataclasses.dataclass
@@ -214,11 +214,10 @@ class TrainerPeer:
 
 # --- mtbert's side ----------------------------------------------------------------------------------
 def mtbert_step(run: FineTuning, progress: Progress, tasks: tuple[str, ...]) -> tuple[int, int]:
-    """One step of the `train` stage (`accumulate_gradients`, then the optimiser `update`); its examples and
+    """One step of the `train` stage (training/step.py's `step`, with its optimiser update); its examples and
     non-padding tokens."""
     before = progress.totals.examples, progress.totals.tokens
-    accumulate_gradients(run, progress, tasks)
-    update(run, progress)
+    step(run, progress, tasks, ends_update=True)
     return progress.totals.examples - before[0], progress.totals.tokens - before[1]
 
 

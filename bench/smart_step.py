@@ -2,8 +2,8 @@
 
     python -m bench.smart_step [--steps 40]
 
-Both objectives drive the `train` stage's own run (mtbert/training/finetune.py's `start`, then its
-`accumulate_gradients` and `update`) on the default variant: the same model, the same
+Both objectives drive the `train` stage's own run (mtbert/training/finetune.py's `start`, then
+training/step.py's `step`) on the default variant: the same model, the same
 real batches (the first steps of its first epoch), a step being forward, backward and the optimiser
 update. They alternate in blocks, so drift in the machine's speed hits both alike. Needs data/tokenized/base
 (`dvc repro tokenize@base`).
@@ -24,7 +24,7 @@ from mtbert import io
 from mtbert.params import SmartParams
 from mtbert.params_file import variant_params, with_changes
 from mtbert.runtime import setup_logging
-from mtbert.training.build import FineTuning, make_objective, schedule, step_hooks
+from mtbert.training.build import FineTuning, make_objective, schedule
 from mtbert.training.progress import Progress
 
 TARGETS = {"smart": 2.5, "random": 2.0}  # step time over plain: SMART (K ascent steps) and random mode
@@ -32,11 +32,10 @@ app = typer.Typer(add_completion=False)
 
 
 def with_smart(run: FineTuning, smart: SmartParams) -> FineTuning:
-    """The same run (model, data, optimiser) with the objective these smart.* settings choose, and the step's
-    pieces built for it (with smart.mu > 0, the teacher follows the weights after each update)."""
+    """The same run (model, data, optimiser) with the objective these smart.* settings choose (with
+    smart.mu > 0, its teacher follows the weights after each update)."""
     objective = make_objective(run.model, smart, run.device, run.bf16, run.train.seed)
-    return dataclasses.replace(run, objective=objective,
-                               hooks=step_hooks(run.train, run.model, run.ranks, run.device, objective, run.average))
+    return dataclasses.replace(run, objective=objective)
 
 
 def smart_run(run: FineTuning, steps: int, mode: str = "adversarial") -> FineTuning:

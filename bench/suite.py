@@ -35,6 +35,7 @@ change in the machine's speed during the run hits all of them alike. Needs data/
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -58,8 +59,8 @@ from mtbert.data.sampling import TaskStream
 from mtbert.params_file import variant_params
 from mtbert.runtime import setup_logging
 from mtbert.training.build import FineTuning, make_objective, schedule
-from mtbert.training.finetune import update
 from mtbert.training.progress import Progress
+from mtbert.training.step import Piece, compute
 
 TARGETS = {"peer_speedup": 2.0, "train_speedup": 3.0, "peak_fraction": 0.40, "smart_ratio": 2.5,
            "smart_random_ratio": 2.0, "tokenize_seconds": 15.0, "peak_rss_gib": 3.0}
@@ -119,9 +120,11 @@ class TrainConfig:
 
     def __init__(self, name: str, run: FineTuning, progress: Progress, *, bucket_batches: int,
                  pad_length: int | None, bf16: bool, pad_multiple: int = 1):
-        self.name, self.run, self.progress, self.pad_length, self.bf16 = name, run, progress, pad_length, bf16
+        self.name, self.progress, self.pad_length, self.bf16 = name, progress, pad_length, bf16
         self.pad_multiple = pad_multiple
-        self.objective = make_objective(run.model, run.params.smart, run.device, bf16, run.train.seed)
+        # the same run (model, optimiser, schedule, average) with this configuration's precision
+        self.run = dataclasses.replace(run, objective=make_objective(run.model, run.params.smart, run.device, bf16,
+                                                                     run.train.seed))
         self.streams = {t: TaskStream(split.lengths(run.model.encoding(t)), run.train.batch_size[t],
                                       bucket_batches, run.train.seed, i)
                         for i, (t, split) in enumerate(run.train_data.items())}
@@ -136,9 +139,9 @@ class TrainConfig:
         if self.pad_length is not None:
             batch = pad_to(batch, self.pad_length)
         started = time.perf_counter()
-        result = self.objective(self.run.model, task, batch)
-        result.total.backward()
-        update(self.run, self.progress)
+        # the stage's device work and LR schedule on this batch, whole (one piece: the naive side has no pieces)
+        compute(self.run, self.progress, {task: [Piece(batch, len(rows), 0, share=1.0, weight=1.0)]}, ends_update=True)
+        self.run.scheduler.step()
         self.seconds += time.perf_counter() - started
         self.examples += len(rows)
         self.tokens += int(sum(v.sum() for k, v in batch.items() if k.startswith("attention_mask")))

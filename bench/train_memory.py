@@ -25,8 +25,9 @@ from bench.common import scratch_run
 from mtbert.evaluation.evaluate import evaluate
 from mtbert.params_file import variant_params, with_changes
 from mtbert.runtime import peak_rss_gib, setup_logging
-from mtbert.training import build, finetune
+from mtbert.training import build
 from mtbert.training import progress as progress_state
+from mtbert.training.step import step
 
 app = typer.Typer(add_completion=False)
 
@@ -73,8 +74,7 @@ def main(steps: int = typer.Option(20), variant: str = typer.Option("base"),
         run.model.train()
         start = time.perf_counter()
         for tasks in schedule:
-            finetune.accumulate_gradients(fed, progress, tasks)
-            finetune.update(fed, progress)
+            step(fed, progress, tasks, ends_update=True)
         fed.finite.check()  # reads the steps' losses: on a GPU, waits for the last step to finish
         seconds_per_step = (time.perf_counter() - start) / steps
         evaluate(run.model, run.dev_data, run.train.eval_batch_size, run.device, run.bf16)

@@ -286,6 +286,10 @@ class SmartParams(Section):
         override = self.task_lambda.get(task)
         return self.lambda_ if override is None else override
 
+    def turns_a_term_on(self, tasks) -> bool:
+        """Whether any term is on: a task's lambda, or mu."""
+        return self.mu > 0 or any(self.task_weight(task) > 0 for task in tasks)
+
 
 class PredictParams(Section):
     """Predictions of the trained models (stage `predict`)."""

@@ -111,7 +111,7 @@ def main(student: str = typer.Option(..., "--student", help="a key of distill.st
     paths = Paths(tokenized=tokenized_dir, model_out=outputs.model, metrics_out=outputs.summary,
                   live_dir=checkpoints_dir / student / "live", checkpoints=checkpoints_dir / student,
                   pretrained=layout.pretrained_of(distill.variant, pretrained_dir))
-    run, summary = finetune.fine_tune(own, student, paths, distillation)
+    run, summary = finetune.fine_tune(own, student, paths, labels=distillation)
     if not run.ranks.is_main:
         return
     device, transfer_rows = run.device, {name: len(rows) for name, (rows, _) in distillation.transfer.items()}

@@ -237,14 +237,14 @@ def test_pcgrad_trains_joint_steps_with_gradient_accumulation(tmp_path, tiny_bac
 def test_a_batch_run_in_pieces_under_max_batch_tokens_gives_the_whole_batchs_gradient(tmp_path, tiny_backbone,
                                                                                      tiny_tokenized):
     from mtbert.data.batches import micro_batches
-    from mtbert.training.finetune import accumulate_gradients
+    from mtbert.training.step import step
 
     totals, gradients, lengths = {}, {}, None
     for budget in (0, 8):  # 8 tokens: every row of the tiny data is a piece of its own
         prepared = trainer(tmp_path / str(budget), tiny_backbone, tiny_tokenized, train={"max_batch_tokens": budget})
         run, lengths = prepared.run, prepared.run.row_lengths["qqp"]
         run.model.eval()  # no dropout, so the pieces compute exactly what the whole batch does
-        accumulate_gradients(run, prepared.progress, ("qqp",))
+        step(run, prepared.progress, ("qqp",), ends_update=False)  # the gradients, kept in .grad
         totals[budget] = prepared.progress.totals.settle()  # the loss sums, read from the device
         gradients[budget] = {name: p.grad for name, p in run.model.named_parameters() if p.grad is not None}
     rows = np.arange(4)

@@ -1,10 +1,14 @@
-"""What the captured steps (mtbert/training/capture.py) rest on that a CPU can check: which runs can be
-captured, the bi-encoder's one width, the moving average's update with no host read, and lr tensors in a
-checkpoint. The capture itself needs a GPU: tests/test_cuda.py."""
+"""Captured steps (mtbert/training/capture.py): which runs can be captured, and the captured path itself.
+
+The captured path runs here on whatever device this process has: in CI a CPU, where its recorder is the
+stand-in `Reruns` (recording runs nothing, a replay runs the recorded `compute` again); on a GPU the real
+CUDA graphs. Every line of capture.py but the CUDA calls runs in CI, so a drift between the captured path and
+the step it records (a signature, what it passes, what it returns) fails CI, not the next run on a GPU."""
 
 from __future__ import annotations
 
 import inspect
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,30 +17,46 @@ import torch
 
 from mtbert.data.batches import load_split
 from mtbert.data.tasks import tasks_from_params
-from mtbert.params_file import variant_params
-from mtbert.training.averaging import MovingAverage
-from mtbert.training.capture import CapturedSteps, capture_blocker, one_width
+from mtbert.params_file import variant_params, with_changes
+from mtbert.training import finetune
+from mtbert.training.averaging import MovingAverage, OnDeviceAverage
+from mtbert.training.capture import CapturedSteps, Reruns, capture_blocker, device_work, one_width
 from mtbert.training.checkpoint import restore
 from mtbert.training.distributed import Ranks
-from mtbert.training.finetune import eager_step, start
-from mtbert.training.loop import Paths
-from tests.conftest import make_params
+from mtbert.training.loop import Paths, TrainingError
+from mtbert.training.step import compute
+from tests.conftest import TASKS, make_params
+
+WIDE = {"cpu": 64, "cuda": 64}  # every tiny batch one width: most steps are a shape seen before, so replayed
 
 
-def cpu_run(tmp_path: Path, backbone: Path, tokenized: Path, **overrides):
-    params = variant_params(make_params(tmp_path, backbone, Path("unused"), **overrides), "base")
-    paths = Paths(tokenized=tokenized, model_out=tmp_path / "m", metrics_out=tmp_path / "m.json",
-                  live_dir=tmp_path / "live", checkpoints=tmp_path / "ck")
-    return start(params, "base", paths)[0]
+def run_paths(out: Path, tokenized: Path) -> Paths:
+    return Paths(tokenized=tokenized, model_out=out / "m", metrics_out=out / "m.json", live_dir=out / "live",
+                 checkpoints=out / "ck")
 
 
-def test_the_captured_step_takes_what_the_loop_gives_the_eager_step():
-    """`train_epoch` calls whichever step it chose with the same arguments; a captured step that drifted
-    from the eager one would fail only on a GPU, which CI does not have (a CUDA test rotted so once)."""
+def started(out: Path, backbone: Path, tokenized: Path, captured: bool = False, **overrides):
+    """The `train` stage's run of `base` (one epoch, dropout off, widths padded to 64), on this process's device;
+    with `captured`, its device work captured: by CUDA graphs on a GPU, by the stand-in on a CPU."""
+    out.mkdir(exist_ok=True)
+    train, heads = {"epochs": 1, **overrides.pop("train", {})}, overrides.pop("heads", {})
+    params = variant_params(make_params(out, backbone, Path("unused"), train=train,
+                                       heads={task: {"dropout": 0.0, **heads.get(task, {})} for task in TASKS},
+                                       runtime={"capture": {"cuda": captured}, "pad_to_multiple": WIDE},
+                                       **overrides), "base")
+    run, progress = finetune.start(params, "base", run_paths(out, tokenized))
+    if captured and run.device.type == "cpu":
+        run.compute = CapturedSteps(run, Reruns)
+    assert isinstance(run.compute, CapturedSteps) == captured
+    return run, progress
+
+
+def test_the_captured_path_is_called_as_the_step_it_records():
+    """`step` calls `run.compute` whichever it is; the captured path must take what `compute` takes."""
     def shape(function, skip: int = 0) -> list[tuple]:
         return [(p.name, p.kind, p.default) for p in list(inspect.signature(function).parameters.values())[skip:]]
 
-    assert shape(CapturedSteps.step, skip=1) == shape(eager_step)  # less `self`
+    assert shape(CapturedSteps.__call__, skip=1) == shape(compute)  # less `self`
 
 
 @pytest.mark.parametrize("overrides, reason", [
@@ -46,16 +66,104 @@ def test_the_captured_step_takes_what_the_loop_gives_the_eager_step():
     ({"smart": {"lambda": 1.0}}, "SMART and the Bregman teacher"),
     ({"smart": {"mu": 1.0}}, "SMART and the Bregman teacher"),
 ], ids=["default", "accumulation", "pcgrad", "smart", "teacher"])
-def test_a_step_that_needs_the_host_is_not_captured(tmp_path, tiny_backbone, tiny_tokenized, overrides, reason):
-    run = cpu_run(tmp_path, tiny_backbone, tiny_tokenized, **overrides)
+def test_a_step_that_needs_the_host_is_not_captured(tmp_path, tiny_backbone, tiny_tokenized, overrides, reason,
+                                                    caplog):
+    params = variant_params(make_params(tmp_path, tiny_backbone, Path("unused"), **overrides), "base")
+    run, _ = finetune.start(params, "base", run_paths(tmp_path, tiny_tokenized))
     blocker = capture_blocker(run)
     assert (blocker is None) if reason is None else blocker.startswith(reason)
-    assert run.captured is None  # a CPU never captures, whatever runtime.capture says
+    if run.device.type == "cpu":
+        assert run.compute is compute  # a CPU never captures, whatever runtime.capture says
+        return
+    with caplog.at_level(logging.INFO, logger="train"):  # a GPU captures unless something rules it out
+        chosen = device_work(run)
+    assert isinstance(chosen, CapturedSteps) == (reason is None)
+    if reason is not None:
+        assert f"captured steps off: {blocker}; the eager step runs" in caplog.text
+
+
+def test_a_captured_run_trains_what_the_eager_run_trains(tmp_path, dropout_free_backbone, tiny_tokenized):
+    """One epoch, most of its steps replayed (each step shape's first step is eager, its second recorded),
+    against the eager run: on a CPU the stand-in computes exactly what the eager step computes, on a GPU CUDA
+    graphs do to rounding. The moving average's device update rounds apart from the host's by an ulp."""
+    runs = {}
+    for captured in (False, True):
+        run, progress = started(tmp_path / str(captured), dropout_free_backbone, tiny_tokenized, captured,
+                                train={"ema": 0.998})
+        runs[captured] = run, finetune.train(run, progress)
+    (eager, eager_summary), (run, summary) = runs[False], runs[True]
+    replayed = run.compute
+    print(f"\n  {replayed.summary()}")
+    assert replayed.graphs and replayed.replays > 0 and not replayed.failed
+    assert replayed.replays + replayed.eager_steps == run.steps_per_epoch
+    assert isinstance(run.average, OnDeviceAverage)
+    exact = run.device.type == "cpu"
+    assert summary["epochs"][0]["examples"] == eager_summary["epochs"][0]["examples"]
+    for task, loss in eager_summary["epochs"][0]["train_loss"].items():
+        assert summary["epochs"][0]["train_loss"][task] == (loss if exact else pytest.approx(loss, rel=1e-4)), task
+    for (name, a), b in zip(eager.model.state_dict().items(), run.model.state_dict().values(), strict=True):
+        if exact:
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5, msg=name)
+    for a, b in zip(eager.average.model.parameters(), run.average.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert int(run.average.state_dict()["n_averaged"]) == int(eager.average.state_dict()["n_averaged"])
+
+
+def replayed_losses(backbone: Path, out: Path, tokenized: Path) -> tuple[float, float]:
+    """One recorded step replayed twice on the same batch from the same weights: its two losses."""
+    run, progress = started(out, backbone, tokenized, captured=True)
+    run.model.train()
+    task = next(iter(run.tasks))
+    for _ in range(20):  # a key's first step is eager, its second recorded
+        if run.compute.graphs:
+            break
+        finetune.step(run, progress, (task,), ends_update=True)
+    graph = next(iter(run.compute.graphs.values()))
+    weights = [p.detach().clone() for p in run.model.parameters()]
+    losses = []
+    for _ in range(2):
+        with torch.no_grad():
+            for parameter, saved in zip(run.model.parameters(), weights, strict=True):
+                parameter.copy_(saved)  # in place: the graph reads these very tensors
+        run.compute.recorder.replay(graph.recorded)
+        losses.append(float(graph.losses[0].task_loss))
+    return losses[0], losses[1]
+
+
+def test_each_replay_draws_new_dropout_masks_and_is_otherwise_the_same(tmp_path, tiny_backbone,
+                                                                       dropout_free_backbone, tiny_tokenized):
+    with_dropout = replayed_losses(tiny_backbone, tmp_path / "dropout", tiny_tokenized)
+    without = replayed_losses(dropout_free_backbone, tmp_path / "none", tiny_tokenized)
+    print(f"\n  two replays' losses: dropout on {with_dropout}, off {without}")
+    assert with_dropout[0] != with_dropout[1]  # the generator moved on between replays
+    assert without[0] == without[1]
+
+
+def test_a_non_finite_loss_in_a_replayed_step_stops_the_run_naming_it(tmp_path, dropout_free_backbone,
+                                                                      tiny_tokenized, monkeypatch):
+    """The loss turns NaN inside the recorded step (a device value the loss multiplies by), at step 9."""
+    run, progress = started(tmp_path, dropout_free_backbone, tiny_tokenized, captured=True)
+    run.params = run.params.model_copy(update={"runtime": with_changes(run.params.runtime, check_every=1)})
+    poison, real_losses, real_step = torch.ones((), device=run.device), dict(run.objective.losses), finetune.step
+    monkeypatch.setattr(run.objective, "losses", {task: lambda outputs, batch, unit=unit: unit(outputs, batch) * poison
+                                                  for task, unit in real_losses.items()})
+
+    def step(run, progress, tasks, ends_update):
+        if progress.step_in_epoch == 8:
+            poison.fill_(float("nan"))
+        real_step(run, progress, tasks, ends_update)
+
+    monkeypatch.setattr(finetune, "step", step)
+    with pytest.raises(TrainingError, match=r"non-finite (sst|qqp|sts) loss \(nan\) at epoch 1 step 9"):
+        finetune.train(run, progress)
+    assert run.compute.replays > 0
 
 
 def test_a_bi_encoder_batch_at_one_width_computes_what_two_widths_compute(tmp_path, dropout_free_backbone,
                                                                            tiny_tokenized):
-    run = cpu_run(tmp_path, dropout_free_backbone, tiny_tokenized, heads={"sts": {"encoding": "bi"}})
+    run, _ = started(tmp_path, dropout_free_backbone, tiny_tokenized, heads={"sts": {"encoding": "bi"}})
     split = load_split(tiny_tokenized, tasks_from_params(run.params.tasks)["sts"], "train")
     lengths = split.tokens["input_ids_1"].lengths() - split.tokens["input_ids_2"].lengths()
     rows = torch.arange(len(split)).numpy()[lengths != 0][:4]  # sentences of unequal lengths
@@ -65,30 +173,32 @@ def test_a_bi_encoder_batch_at_one_width_computes_what_two_widths_compute(tmp_pa
     assert widened["input_ids_1"].shape == widened["input_ids_2"].shape == widened["attention_mask_2"].shape
     run.model.eval()
     with torch.no_grad():
-        assert torch.equal(run.model("sts", batch), run.model("sts", widened))
+        on_device = {name: tensor.to(run.device) for name, tensor in batch.items()}
+        assert torch.equal(run.model("sts", on_device),
+                           run.model("sts", {name: tensor.to(run.device) for name, tensor in widened.items()}))
 
 
 def test_the_moving_averages_device_update_follows_its_host_update():
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
-    host, device = MovingAverage(model, 0.9, debiased=True), MovingAverage(model, 0.9, debiased=True)
+    host = MovingAverage(model, 0.9, debiased=True)
+    device = MovingAverage(model, 0.9, debiased=True).on_device()
     for _ in range(5):
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.add_(torch.randn_like(parameter))
         host.update(model)
-        device.update_on_device(model)
-        device.count_update()
-    assert int(host.averaged.n_averaged) == int(device.averaged.n_averaged) == 6
+        device.update(model)
+    assert int(host.state_dict()["n_averaged"]) == int(device.state_dict()["n_averaged"]) == 6
     for a, b in zip(host.model.parameters(), device.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-    restored = MovingAverage(model, 0.9, debiased=True)
+    restored = MovingAverage(model, 0.9, debiased=True).on_device()
     restored.load_state_dict(device.state_dict())
     assert restored.device_count is None  # taken again from the restored count at the next update
 
 
 def test_a_checkpoint_of_device_lrs_restores_numbers(tmp_path):
-    """A run with captured steps saves each group's lr as a tensor; any run restores it as a number."""
+    """Any checkpoint holding an lr as a tensor (as captured runs once saved) is restored as a number."""
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)

@@ -1,11 +1,10 @@
 """The CUDA paths CI cannot run, on the 2-layer backbone: bf16 autocast in train, pretrain and predict, the
 data-parallel collectives on NCCL, the resume of a killed run (the CUDA generator's state), and captured
-steps (CUDA graphs: replay against eager, dropout across replays, resume, a non-finite loss). Skipped
+steps resumed after a kill (the rest of the captured path: tests/test_capture.py). Skipped
 without a GPU (CI has none): run `pytest tests/test_cuda.py -s` where one is (docs/performance.md)."""
 
 from __future__ import annotations
 
-import logging
 import subprocess
 from pathlib import Path
 
@@ -15,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from mtbert.evaluation.predictions import read_dump
-from mtbert.params_file import load_params, variant_params, with_changes
-from mtbert.training import distributed, finetune
-from mtbert.training.loop import Paths, TrainingError
+from mtbert.params_file import load_params, variant_params
+from mtbert.training import distributed
+from mtbert.training.loop import Paths
 from stages.pretrain import pretrain
 from tests.conftest import REPO_ROOT, TASKS, attention_runs, kill_once_checkpointed, make_params, recorded_forwards
 from tests.deployed import invoke
@@ -210,59 +209,9 @@ def test_a_gpu_trains_with_the_fused_attention_kernel(tmp_path, tiny_backbone, t
 
 
 # --- captured steps (runtime.capture.cuda, mtbert/training/capture.py) ----------------------------------------
-def captured_params(out: Path, backbone: Path, **train) -> Path:
-    return make_params(out, backbone, Path("unused"), heads={task: {"dropout": 0.0} for task in TASKS},
-                       train={"epochs": 1, **train}, runtime={"capture": {"cuda": True}})
-
-
-def test_a_captured_run_trains_what_the_eager_run_trains(tmp_path, fp32_run, dropout_free_backbone, tiny_tokenized):
-    """Dropout off: the steps replayed from CUDA graphs end where the eager steps end, and most steps were
-    replays (each batch shape's first step is eager, its second captured)."""
-    params = variant_params(captured_params(tmp_path, dropout_free_backbone), "base")
-    run, progress = finetune.start(params, "base", stage_paths(tmp_path, tiny_tokenized))
-    summary = finetune.train(run, progress)
-    captured = run.captured
-    print(f"\n  {captured.summary()}")
-    assert captured is not None and captured.graphs and captured.replays > 0 and not captured.failed
-    assert captured.replays + captured.eager_steps == run.steps_per_epoch
-    reference = fp32_run[1]
-    for task, loss in reference["epochs"][0]["train_loss"].items():
-        assert summary["epochs"][0]["train_loss"][task] == pytest.approx(loss, rel=1e-4), task
-    assert_trained_alike(fp32_run[0], tmp_path, dropout_free_backbone)
-
-
-def replayed_losses(backbone: Path, out: Path, tokenized: Path) -> tuple[float, float]:
-    """One captured graph replayed twice on the same batch from the same weights: its two losses."""
-    out.mkdir()
-    params = variant_params(captured_params(out, backbone), "base")
-    run, progress = finetune.start(params, "base", stage_paths(out, tokenized))
-    run.model.train()
-    for _ in range(20):  # a key's first step is eager, its second captured
-        if run.captured.graphs:
-            break
-        run.captured.step(run, progress, (next(iter(run.tasks)),), ends_update=True)
-    assert run.captured.graphs and not run.captured.failed
-    graph = next(iter(run.captured.graphs.values()))
-    weights = [p.detach().clone() for p in run.model.parameters()]
-    losses = []
-    for _ in range(2):
-        with torch.no_grad():
-            for parameter, saved in zip(run.model.parameters(), weights, strict=True):
-                parameter.copy_(saved)  # in place: the graph reads these very tensors
-        graph.graph.replay()
-        losses.append(float(graph.losses[0].task_loss))
-    return losses[0], losses[1]
-
-
-def test_each_replay_draws_new_dropout_masks_and_is_otherwise_the_same(tmp_path, tiny_backbone,
-                                                                       dropout_free_backbone, tiny_tokenized):
-    with_dropout = replayed_losses(tiny_backbone, tmp_path / "dropout", tiny_tokenized)
-    without = replayed_losses(dropout_free_backbone, tmp_path / "none", tiny_tokenized)
-    print(f"\n  two replays' losses: dropout on {with_dropout}, off {without}")
-    assert with_dropout[0] != with_dropout[1]  # the CUDA generator moved on between replays
-    assert without[0] == without[1]
-
-
+# Replays against eager, dropout across replays, a non-finite loss and what rules capture out are in
+# tests/test_capture.py, which runs them on this GPU's CUDA graphs and in CI on the CPU stand-in. What needs a
+# GPU alone: a killed captured run resumed by the stage (the CUDA generator's state, graphs recorded anew).
 @pytest.mark.parametrize("ema", [0.0, 0.998], ids=["raw weights", "moving average"])
 def test_a_killed_captured_run_resumes_to_the_uninterrupted_result(tmp_path, tiny_backbone, tiny_tokenized, ema):
     """Dropout on; the resumed process captures its graphs anew (each shape's first step eager again)."""
@@ -273,33 +222,3 @@ def test_a_killed_captured_run_resumes_to_the_uninterrupted_result(tmp_path, tin
     kill_once_checkpointed(command, tmp_path / "b" / "ck" / "base" / "last.pt")
     subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True)
     assert_trained_alike(tmp_path / "a", tmp_path / "b", tiny_backbone)
-
-
-def test_a_non_finite_loss_in_a_replayed_step_stops_the_run_naming_it(tmp_path, dropout_free_backbone,
-                                                                      tiny_tokenized, monkeypatch):
-    """The loss turns NaN inside the graphs (a device value the captured loss multiplies by), at step 9."""
-    params = variant_params(captured_params(tmp_path, dropout_free_backbone), "base")
-    params = params.model_copy(update={"runtime": with_changes(params.runtime, check_every=1)})
-    run, progress = finetune.start(params, "base", stage_paths(tmp_path, tiny_tokenized))
-    poison, real_losses, real_step = torch.ones((), device="cuda"), dict(run.objective.losses), run.captured.step
-    monkeypatch.setattr(run.objective, "losses", {task: lambda outputs, batch, unit=unit: unit(outputs, batch) * poison
-                                                  for task, unit in real_losses.items()})
-
-    def step(run, progress, tasks, **options):  # the loop's keywords (ends_update), whatever they become
-        if progress.step_in_epoch == 8:
-            poison.fill_(float("nan"))
-        real_step(run, progress, tasks, **options)
-
-    monkeypatch.setattr(run.captured, "step", step)
-    with pytest.raises(TrainingError, match=r"non-finite (sst|qqp|sts) loss \(nan\) at epoch 1 step 9"):
-        finetune.train(run, progress)
-    assert run.captured.replays > 0
-
-
-def test_a_step_that_needs_the_host_runs_eagerly_and_says_why(tmp_path, tiny_backbone, tiny_tokenized, caplog):
-    params = variant_params(make_params(tmp_path, tiny_backbone, Path("unused"), train={"grad_accum": 2},
-                                        runtime={"capture": {"cuda": True}}), "base")
-    with caplog.at_level(logging.INFO, logger="train"):
-        run, _ = finetune.start(params, "base", stage_paths(tmp_path, tiny_tokenized))
-    assert run.captured is None
-    assert "captured steps off: train.grad_accum > 1 updates only every few steps; the eager step runs" in caplog.text

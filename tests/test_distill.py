@@ -258,15 +258,15 @@ def test_a_resumed_student_equals_an_uninterrupted_one(pipeline, tiny_backbone, 
     (root / "metrics").mkdir()
     shutil.copy(pipeline / "metrics" / "ensemble.json", root / "metrics" / "ensemble.json")
     arguments = stage_arguments(root, pipeline / "params.yaml", tiny_tokenized)
-    real_update = finetune.update
+    real_step = finetune.step
 
-    def update_then_crash(run, progress):
-        real_update(run, progress)
+    def step_then_crash(run, progress, tasks, ends_update):
+        real_step(run, progress, tasks, ends_update)
         if progress.updates == 5:  # past the checkpoint at update 3
             raise Crash  # not KeyboardInterrupt: click turns that into an exit
 
     with monkeypatch.context() as patch:
-        patch.setattr(finetune, "update", update_then_crash)
+        patch.setattr(finetune, "step", step_then_crash)
         with pytest.raises(Crash):
             CliRunner().invoke(importlib.import_module("stages.distill").app,
                                [str(a) for a in ("--student", "distilled", "--pretrained-dir", tiny_backbone,

@@ -10,10 +10,13 @@ import torch
 
 from mtbert.params_file import variant_params, with_changes
 from mtbert.training import finetune
+from mtbert.training.averaging import MovingAverage, NoAverage
 from mtbert.training.loop import FiniteWatch, Paths, TrainingError
+from mtbert.training.losses import Objective
 from mtbert.training.pcgrad import PCGrad
 from mtbert.training.progress import FineTuningCheckpoint, Progress
 from mtbert.training.smart import Regularised
+from mtbert.training.step import Summed, compute
 from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params, recorded_forwards, saved_heads
 from tests.runs import prepared, result_of, run_training, train_command, train_summary
 
@@ -66,21 +69,15 @@ def test_model_folder_reloads_with_transformers(tmp_path, training_params, tiny_
                                      {"train": {"ema": 0.0}}], ids=["default", "pcgrad", "teacher", "no-average"])
 def test_the_default_step_is_backward_adamw_and_the_average_and_the_params_add_the_rest(tmp_path, tiny_backbone,
                                                                                         tiny_tokenized, changes):
-    """What `step_hooks` gives the step: by default plain backward and the moving average after the update,
-    nothing else; PCGrad, the Bregman teacher and train.ema: 0 change only their own pieces."""
+    """What `prepare` chooses for the step: by default summed gradients, the plain objective, the moving average
+    and the eager device work; PCGrad, the Bregman teacher and train.ema: 0 change only their own piece."""
     params = variant_params(make_params(tmp_path, tiny_backbone, Path("unused"), **changes), "base")
     run = prepared(params, Paths(tokenized=tiny_tokenized, model_out=tmp_path / "m", metrics_out=tmp_path / "m.json",
                                  live_dir=tmp_path / "live", checkpoints=tmp_path / "ck")).run
-    hooks, average = run.hooks, [run.average.update] if params.train.ema > 0 else []
-    assert hooks.before_update == []  # one process: nothing to average over
-    if params.train.gradient == "pcgrad":
-        pcgrad = hooks.backward.__self__
-        assert type(pcgrad) is PCGrad and hooks.after_task == [pcgrad.end_task] and len(hooks.after_step) == 1
-    else:
-        assert hooks.backward is torch.Tensor.backward and hooks.after_task == hooks.after_step == []
-    teacher = [run.objective.after_update] if isinstance(run.objective, Regularised) else []
-    assert bool(teacher) == (params.smart.mu > 0)
-    assert hooks.after_update == teacher + average
+    assert type(run.gradients) is (PCGrad if params.train.gradient == "pcgrad" else Summed)  # one process
+    assert type(run.objective) is (Regularised if params.smart.mu > 0 else Objective)
+    assert type(run.average) is (MovingAverage if params.train.ema > 0 else NoAverage)
+    assert run.compute is compute  # a CPU never captures
 
 
 @pytest.mark.parametrize("check_every", [1, 50])  # every step, or only before the checkpoint after update 6
@@ -173,15 +170,15 @@ def uninterrupted_and_resumed(params, tokenized: Path, tmp_path: Path, monkeypat
     """Summaries (less `speed`) of a run in tmp_path/a and of one in tmp_path/b that crashed after update 5
     (past the checkpoint at update 3, mid-epoch) and was started again."""
     uninterrupted = train_summary(params, "base", run_paths(tmp_path / "a", tokenized))
-    real_update = finetune.update
+    real_step = finetune.step
 
-    def update_then_crash(run, progress):
-        real_update(run, progress)
+    def step_then_crash(run, progress, tasks, ends_update):
+        real_step(run, progress, tasks, ends_update)
         if progress.updates == 5:
             raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(finetune, "update", update_then_crash)
+        patch.setattr(finetune, "step", step_then_crash)
         with pytest.raises(KeyboardInterrupt):
             train_summary(params, "base", run_paths(tmp_path / "b", tokenized))
     resumed = train_summary(params, "base", run_paths(tmp_path / "b", tokenized))

@@ -3,8 +3,8 @@
     python -m bench.probes.profile_step [--steps 24] [--warmup 4] [--json-out FILE]
 
 The run is set up as the stage sets it up (bench/common.py `scratch_run`) and each step is what the
-stage runs: `finetune.accumulate_gradients` (batch collation, forward, backward) and `finetune.update` (clipping, AdamW,
-the moving average). The operators' self CPU time is grouped into categories (matmuls, attention,
+stage runs: training/step.py's `step` (batch collation, forward, backward, clipping, AdamW, the moving
+average, the LR schedule). The operators' self CPU time is grouped into categories (matmuls, attention,
 LayerNorm, GELU, dropout, the embedding's gradient, the optimiser, the moving average, casts, ...); the
 rest of the wall time, outside any operator, is Python and collation overhead. Needs data/tokenized/base.
 
@@ -32,7 +32,8 @@ from mtbert.data.batches import load_split
 from mtbert.evaluation.evaluate import evaluate, predict_split
 from mtbert.params_file import variant_params, with_changes
 from mtbert.runtime import setup_logging
-from mtbert.training import build, epoch_end, finetune
+from mtbert.training import build, epoch_end
+from mtbert.training.step import step
 
 app = typer.Typer(add_completion=False)
 
@@ -67,9 +68,7 @@ def profiled_steps(run, progress, steps: list[tuple[str, ...]]) -> tuple[profile
         started = time.perf_counter()
         for tasks in steps:
             with record_function("mtbert.step"):
-                finetune.accumulate_gradients(run, progress, tasks)
-            with record_function("mtbert.update"):
-                finetune.update(run, progress)
+                step(run, progress, tasks, ends_update=True)
         wall = time.perf_counter() - started
     return prof, wall
 
@@ -147,8 +146,7 @@ def main(steps: int = typer.Option(24, help="profiled steps"),
         run.model.train()
         schedule = build.schedule(run, 0)[: warmup + steps]
         for tasks in schedule[:warmup]:
-            finetune.accumulate_gradients(run, progress, tasks)
-            finetune.update(run, progress)
+            step(run, progress, tasks, ends_update=True)
         prof, wall = profiled_steps(run, progress, schedule[warmup:])
         figures = breakdown(prof, wall)
         figures.update(steps=steps, bf16=run.bf16)

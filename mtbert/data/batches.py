@@ -130,12 +130,13 @@ class TaskSplit:
 
 def on_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """The batch on `device`. To a CUDA GPU each tensor goes through pinned memory, copied without the host
-    waiting for it (the copy is queued behind the kernels before it); on a CPU the tensors are used as they
-    are."""
+    waiting for it (the copy is queued behind the kernels before it); on a CPU, and a batch on the GPU already
+    (a captured step's buffers), the tensors are used as they are."""
     if device.type == "cpu":
         return batch
     if device.type == "cuda":
-        return {name: tensor.pin_memory().to(device, non_blocking=True) for name, tensor in batch.items()}
+        return {name: tensor if tensor.is_cuda else tensor.pin_memory().to(device, non_blocking=True)
+                for name, tensor in batch.items()}
     return {name: tensor.to(device) for name, tensor in batch.items()}
 
 

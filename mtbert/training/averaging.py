@@ -1,6 +1,7 @@
 """An exponential moving average of a model's weights, kept beside the model being trained.
 
-theta_avg <- decay * theta_avg + (1 - decay) * theta after every optimiser update. torch's AveragedModel
+theta_avg <- decay * theta_avg + (1 - decay) * theta after every optimiser update (`train.ema` uses the
+debiased form below: avg += (1 - d) / (1 - d^t) * (theta - avg)). torch's AveragedModel
 does the bookkeeping (a frozen deep copy of the model, a fused lerp over its parameters); its first update
 copies the weights, so the average starts as the model. Two users: `train.ema`, where the average is the
 model that is evaluated and kept (Polyak averaging), and SMART's Bregman teacher (training/smart.py).
@@ -40,7 +41,6 @@ class MovingAverage:
         self.averaged = AveragedModel(model, multi_avg_fn=self.average)
         self.averaged.requires_grad_(False)
         self.averaged.update_parameters(model)  # the first update copies every weight
-        self.device_count: torch.Tensor | None = None  # update_on_device's copy of the update count
 
     @property
     def model(self) -> nn.Module:
@@ -61,13 +61,31 @@ class MovingAverage:
                 averaged.copy_(current)  # buffers are kept in step, not averaged (as AveragedModel does)
         self.averaged.n_averaged += 1
 
-    def update_on_device(self, model: nn.Module) -> None:
-        """`update` with no number read by the host, so that a CUDA graph can hold it (training/capture.py):
-        the debiasing weight (1 - d) / (1 - d^t) is computed on the device from a device copy of the count t,
-        and the lerp is written as avg += weight * (current - avg). Rounding differs from `update`'s lerp by
-        an ulp, so a run uses one or the other throughout. The host's own count goes on outside the graph
-        (`count_update`)."""
-        if self.device_count is None:  # from the count a checkpoint restored, before the first capture
+    def on_device(self) -> OnDeviceAverage:
+        """This average, updated with no number read by the host from now on (captured steps)."""
+        return OnDeviceAverage(self)
+
+    def state_dict(self) -> dict:
+        return self.averaged.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.averaged.load_state_dict(state)
+
+
+class OnDeviceAverage(MovingAverage):
+    """The same average, updated with no number read by the host, so that a CUDA graph can hold the update
+    (training/capture.py): the debiasing weight (1 - d) / (1 - d^t) is computed on the device from a device
+    copy of the count t, and the lerp is written as avg += weight * (current - avg). Rounding differs from
+    `MovingAverage.update`'s lerp by an ulp, so a run uses one or the other throughout. The host's count
+    (AveragedModel's `n_averaged`, which a checkpoint records) is taken from the device's when saved."""
+
+    def __init__(self, average: MovingAverage):
+        self.decay, self.debiased, self.average, self.averaged = (average.decay, average.debiased, average.average,
+                                                                  average.averaged)
+        self.device_count: torch.Tensor | None = None  # from the count a checkpoint restored, at the first update
+
+    def update(self, model: nn.Module) -> None:
+        if self.device_count is None:
             device = next(model.parameters()).device
             self.device_count = self.averaged.n_averaged.to(device=device, dtype=torch.float64)
         moving = [(averaged, current.detach()) for averaged, current
@@ -86,11 +104,12 @@ class MovingAverage:
                 averaged_buffer.copy_(buffer)
             self.device_count.add_(1)
 
-    def count_update(self) -> None:
-        """The host's count of updates, after an `update_on_device` (its checkpoint records it)."""
-        self.averaged.n_averaged += 1
+    def on_device(self) -> OnDeviceAverage:
+        return self
 
     def state_dict(self) -> dict:
+        if self.device_count is not None:
+            self.averaged.n_averaged.copy_(self.device_count.to(self.averaged.n_averaged))
         return self.averaged.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
@@ -108,11 +127,8 @@ class NoAverage:
     def update(self, model: nn.Module) -> None:
         pass
 
-    def update_on_device(self, model: nn.Module) -> None:
-        pass
-
-    def count_update(self) -> None:
-        pass
+    def on_device(self) -> NoAverage:
+        return self
 
     def state_dict(self) -> dict:
         return {}

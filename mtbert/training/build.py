@@ -1,11 +1,11 @@
 """A fine-tuning run built: `FineTuning` (what the loop works with) and `prepare`, which builds it from the
-params, adding to the step the pieces its params ask for (`Hooks`); the epoch's schedule of steps; the run's
-fingerprint, which a checkpoint must match to be resumed."""
+params, choosing once each object the step asks (training/step.py): the objective, how gradients combine,
+the moving average, and the device work (eager, or captured on a GPU); the epoch's schedule of steps; the
+run's fingerprint, which a checkpoint must match to be resumed."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 from collections.abc import Callable
@@ -20,35 +20,23 @@ from mtbert.data.tasks import Task, tasks_from_params
 from mtbert.model.backbone import load_encoder, load_tokenizer, starting_point
 from mtbert.model.multitask import MultitaskModel
 from mtbert.params import Params, SmartParams, TrainParams, as_dict
-from mtbert.rng import PCGRAD_ORDER, generator
 from mtbert.runtime import UnreadableInputError, use_bf16
 from mtbert.training.averaging import MovingAverage, NoAverage, weight_average
-from mtbert.training.capture import CapturedSteps, captured_steps
-from mtbert.training.distillation import Distillation
-from mtbert.training.distributed import Ranks, average_gradients, sync_parameters
+from mtbert.training.capture import device_work
+from mtbert.training.distillation import GoldLabels
+from mtbert.training.distributed import Ranks, sync_parameters
 from mtbert.training.loop import FiniteWatch, Paths, Stopwatch, fingerprint, trainable
 from mtbert.training.losses import Objective, kind_losses
 from mtbert.training.optim import make_optimizer
 from mtbert.training.pcgrad import PCGrad
 from mtbert.training.smart import Regularised
+from mtbert.training.step import Gradients, RankAveraged, Summed, compute
 
 log = logging.getLogger("train")
 
 
 # Sections that do not change what `train` computes: left out of the run's fingerprint and mtbert.json.
 NOT_TRAINING = ("models", "runtime", "predict", "ensemble", "stats")
-
-
-@dataclasses.dataclass
-class Hooks:
-    """What `prepare` adds to the step when the params ask for it. By default the step is each piece's
-    `loss.backward()`, then clipping, AdamW and the LR schedule, then the weights' moving average."""
-    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward  # PCGrad: each task's gradient kept apart
-    after_task: list[Callable[[], None]] = dataclasses.field(default_factory=list)  # PCGrad: a task's set aside
-    after_step: list[Callable] = dataclasses.field(default_factory=list)  # PCGrad: (progress) -> projected into .grad
-    before_update: list[Callable[[], None]] = dataclasses.field(default_factory=list)  # ranks > 1: .grad averaged
-    after_update: list[Callable[[torch.nn.Module], None]] = dataclasses.field(default_factory=list)  # the teacher
-    # (smart.mu), the moving average (train.ema: MovingAverage.update in training/averaging.py, debiased)
 
 
 @dataclasses.dataclass
@@ -73,12 +61,12 @@ class FineTuning:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     objective: Objective  # the task losses, weighted; with smart.lambda or smart.mu, their terms added
-    hooks: Hooks  # what the params add to the step (PCGrad, several ranks, the teacher, the moving average)
-    average: MovingAverage | NoAverage
+    gradients: Gradients  # how the pieces' and tasks' gradients combine: summed, PCGrad, averaged over ranks
+    average: MovingAverage | NoAverage  # the weights' moving average (train.ema)
     steps_per_epoch: int
     stopwatch: Stopwatch
     finite: FiniteWatch  # the step's losses, checked for non-finite values without waiting for the device
-    captured: CapturedSteps | None = None  # runtime.capture: the step replayed as CUDA graphs (training/capture.py)
+    compute: Callable = compute  # the step's device work: training/step.py's `compute`, or captured on a GPU
 
     @property
     def train(self) -> TrainParams:
@@ -106,10 +94,11 @@ class FineTuning:
 
 
 def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: torch.device,
-            fingerprint: str, distillation: Distillation | None = None) -> FineTuning:
+            fingerprint: str, labels: GoldLabels) -> FineTuning:
     """The model, data, optimiser and step pieces of one variant. Torch must be seeded already (the heads
-    start random). With `distillation` it is a student's: each training row carries the teacher's prediction,
-    and the task loss blends it with the gold label (training/distillation.py)."""
+    start random). `labels` are what the rows are trained on: the gold labels, or a student's `Distillation`
+    (each training row carries the teacher's prediction, and the task loss blends it with the gold label;
+    training/distillation.py)."""
     p = params.train
     bf16 = use_bf16(p.bf16, device)  # `auto`: on where the device computes bf16 natively (AMX, AVX512-BF16, GPU)
     log.info("bf16 autocast %s (bf16: %s on %s)", "on" if bf16 else "off", p.bf16, device.type)
@@ -121,8 +110,7 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
     average = weight_average(model, p.ema)
     train_data = {name: load_split(paths.tokenized, task, "train", train_rows(p, name)) for name, task in tasks.items()}
     check_padding(train_data, model, paths.tokenized)
-    if distillation is not None:
-        train_data = {name: distillation.taught(split) for name, split in train_data.items()}
+    train_data = {name: labels.taught(split) for name, split in train_data.items()}
     dev_data = {name: load_split(paths.tokenized, task, "dev", p.max_examples) for name, task in tasks.items()}
     snapshot_data = {name: snapshot_splits(p, paths.tokenized, task, dev_data[name])
                      for name, task in tasks.items()} if paths.snapshots and ranks.is_main else {}
@@ -132,40 +120,31 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
     steps = len(epoch_schedule_for(p, train_data, streams, 0))
     optimizer, scheduler = make_optimizer(model, model.encoder.config.num_hidden_layers, p,
                                           math.ceil(steps / p.grad_accum) * p.epochs)
-    losses = kind_losses(model) if distillation is None else distillation.losses(kind_losses(model))
-    objective = make_objective(model, params.smart, device, bf16, p.seed, losses)
+    objective = make_objective(model, params.smart, device, bf16, p.seed, labels.losses(kind_losses(model)))
     run = FineTuning(params, variant, paths, fingerprint, ranks, device, bf16, tasks, load_tokenizer(start), model,
                      train_data, dev_data, snapshot_data, row_lengths, streams, optimizer, scheduler, objective,
-                     step_hooks(p, model, ranks, device, objective, average), average, steps, Stopwatch(),
+                     gradient_combination(p, model, ranks, device), average, steps, Stopwatch(),
                      FiniteWatch(paths.checkpoints, "Lower train.lr or turn off train.bf16."))
-    if device.type == "cuda" and params.runtime.capture.cuda:  # never on a CPU; on a GPU by default
-        run.captured = captured_steps(run)
+    run.compute = device_work(run)  # `compute`, or on a GPU (runtime.capture.cuda) its CUDA graphs
     return run
 
 
-def step_hooks(p: TrainParams, model: MultitaskModel, ranks: Ranks, device: torch.device, objective: Objective,
-               average: MovingAverage | NoAverage) -> Hooks:
-    """The pieces the params add to the default step. Built after the optimiser froze the LR-0 parameters."""
-    hooks = Hooks()
+def gradient_combination(p: TrainParams, model: MultitaskModel, ranks: Ranks, device: torch.device) -> Gradients:
+    """How the step combines its gradients (training/step.py). Built after the optimiser froze the LR-0
+    parameters."""
     if p.gradient == "pcgrad":  # PCGrad averages each task's gradient over the ranks itself
-        pcgrad = PCGrad(trainable(model), ranks, device)
-        hooks.backward, hooks.after_task = pcgrad.backward, [pcgrad.end_task]
-        hooks.after_step = [lambda progress: pcgrad.end_step(
-            generator(p.seed, PCGRAD_ORDER, progress.epoch, progress.step_in_epoch))]
-    elif ranks.distributed:
-        hooks.before_update = [functools.partial(average_gradients, trainable(model), ranks)]
-    if isinstance(objective, Regularised) and objective.teacher is not None:  # it follows the weights
-        hooks.after_update.append(objective.after_update)
-    if p.ema > 0:
-        hooks.after_update.append(average.update)
-    return hooks
+        return PCGrad(trainable(model), ranks, device, p.seed)
+    if ranks.distributed:
+        return RankAveraged(trainable(model), ranks)
+    return Summed()
 
 
 def make_objective(model: MultitaskModel, params: SmartParams, device: torch.device, bf16: bool, seed: int,
                    losses: dict | None = None) -> Objective:
     """The plain objective, or the regularised one where smart.* turns a term on (a task's lambda, or mu)."""
-    regularised = Regularised(model, params, device, bf16, seed, losses)  # builds only the terms that are on
-    return regularised if regularised.terms else Objective(model, device, bf16, losses)
+    if not params.turns_a_term_on(model.tasks):
+        return Objective(model, device, bf16, losses)
+    return Regularised(model, params, device, bf16, seed, losses)  # builds only the terms that are on
 
 
 def snapshot_splits(p: TrainParams, tokenized: Path, task: Task, dev: TaskSplit) -> dict[str, TaskSplit]:

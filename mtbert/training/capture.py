@@ -1,52 +1,58 @@
-"""Captured training steps: on a GPU, each step shape runs as one CUDA graph (runtime.capture.cuda).
+"""Captured training steps: on a GPU, the step's device work runs as one CUDA graph per step shape
+(runtime.capture.cuda, on by default).
 
 A 22M-parameter encoder on batches of 32 short sentences leaves an H100 waiting for the host: the eager
 step launches several hundred small kernels, one Python call each. A CUDA graph records them once and
 replays them with one launch. Why CUDA graphs rather than `torch.compile`: a step's shapes are few and
 static already (runtime.pad_to_multiple), so one capture per shape costs about one step's time, and the
-graph holds the whole step, the optimiser and the moving average included, with no compile time and no
-recompilation as widths change.
+graph holds the whole device step, the optimiser and the moving average included, with no compile time
+and no recompilation as widths change.
 
-A step's shape (its key) is the task and the shape of every tensor of each of its pieces
-(train.max_batch_tokens cuts a batch into pieces). The first step of a key runs eagerly: it warms up the
-kernels and allocates AdamW's state. The second is captured: static input buffers, then, inside the graph,
-each piece's forward, loss and backward, the gradient clipping, AdamW and the moving average. From then on
-the key's steps copy their batch into the buffers and replay the graph. The graph reads no number from
-the host: each group's lr is a view into one device vector, which the host's LR schedule refills with one
-copy per step, and the moving average's debiasing weight is computed on the device (averaging.py
-`update_on_device`).
+`CapturedSteps` holds no step logic: it records training/step.py's `compute`, the function the eager step
+runs, and replays it. A step's shape (its key) is its tasks and the shape of every tensor of each of their
+pieces. The first step of a key runs `compute` eagerly: it warms up the kernels and allocates AdamW's
+state. The second is recorded, reading its batch from static input buffers; from then on the key's steps
+copy their batch into the buffers and replay. What the graph machinery adds around `compute`:
+- the lr: a graph cannot read the host's numbers, so while a graph is recorded each group's lr is a view
+  into one device vector, which is refilled from the LR schedule's numbers with one copy before each
+  replay (`DeviceLrs`); AdamW runs in its capturable form (its step count on the device);
+- the moving average counts its updates on the device (training/averaging.py's `OnDeviceAverage`);
+- a bi-encoder batch has both sentences at one width (`one_width`): one key per width, not per pair;
+- the losses are copied out of the graph's buffers, which the next replay overwrites.
 
 What still holds under capture:
 - Dropout draws new masks at each replay: PyTorch registers its CUDA generator with the graph, and each
   replay starts from the generator's current offset. A resumed run restores that offset from the
   checkpoint, as the eager loop does.
-- A non-finite loss stops the run naming its task and step: each replay's losses are copied out of the
-  graph's buffers for `FiniteWatch`, which reads them at the same points as in the eager loop.
+- A non-finite loss stops the run naming its task and step: the replayed losses go to `FiniteWatch` as the
+  eager step's do.
 - The first step of each key after a resume is eager again; eager and replayed steps run the same kernels
   on the same random offsets.
 
 A step that needs the host cannot be captured: SMART and the Bregman teacher read figures off the device,
 PCGrad and distillation choose on the host, gradient accumulation updates every few steps, and several
 ranks all-reduce between backward and update. Such a run logs one line and keeps the eager step.
+
+The recorder has two calls, `record(function)` and `replay(recorded)`: `CudaGraphs` on a GPU, and on a CPU
+`Reruns`, a stand-in that runs the function at each replay, so that tests on a CPU run every line of this
+module but the CUDA calls (tests/test_capture.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
-from mtbert.data.batches import micro_batches, on_device, padding_free_tokens
-from mtbert.training.distributed import shard
 from mtbert.training.losses import BatchLoss, Distilled
 from mtbert.training.smart import Regularised
+from mtbert.training.step import Pieces, compute
 
 log = logging.getLogger("train")
-
-Key = tuple  # (task, ((tensor name, shape), ...)) per piece
-
 
 def capture_blocker(run) -> str | None:
     """Why this run's step cannot be captured, or None when it can."""
@@ -63,154 +69,170 @@ def capture_blocker(run) -> str | None:
     return None
 
 
-def captured_steps(run) -> CapturedSteps | None:
-    """The captured steps of a run on a GPU that asked for them (runtime.capture.cuda); None (the eager step)
-    where something rules capture out, with one log line saying what."""
+def device_work(run) -> Callable:
+    """The step's device work for this run, chosen once: `compute` (training/step.py), or on a GPU that asked
+    for it (runtime.capture.cuda) the same function captured as CUDA graphs; where something rules capture
+    out, `compute`, with one log line saying what."""
+    if run.device.type != "cuda" or not run.params.runtime.capture.cuda:
+        return compute
     blocker = capture_blocker(run)
     if blocker is not None:
         log.info("captured steps off: %s; the eager step runs", blocker)
-        return None
+        return compute
     log.info("captured steps on: one CUDA graph per task and batch shape, replayed")
-    return CapturedSteps(run)
-
-
-@dataclasses.dataclass
-class Piece:
-    """One piece of a step's batch, on the host: what the device computes and what the host counts."""
-    task: str
-    rows: int
-    batch: dict[str, torch.Tensor]
-    tokens: int  # non-padding
-    share: float  # of the global batch, the loss's scale
-    weight: float  # of this rank's batch, for the epoch's mean loss
+    return CapturedSteps(run, CudaGraphs)
 
 
 @dataclasses.dataclass
 class Graph:
-    graph: torch.cuda.CUDAGraph
-    inputs: list[dict[str, torch.Tensor]]  # static buffers, one dict per piece
-    losses: list[BatchLoss]  # static outputs, one per piece
+    recorded: object  # what the recorder replays (a torch.cuda.CUDAGraph, or a `Rerun`)
+    pieces: Pieces  # its static input buffers, on the device
+    losses: list[BatchLoss]  # its static outputs, one per piece, which each replay overwrites
 
 
 class CapturedSteps:
-    """The step of `finetune.train_epoch` for a run whose step can be captured (`captured_steps`)."""
+    """`compute` recorded once per step shape and replayed (`device_work`); called as `compute` is."""
 
-    def __init__(self, run):
-        self.graphs: dict[Key, Graph] = {}
-        self.warm: set[Key] = set()  # keys whose eager first step ran
-        self.failed = False  # a capture failed: eager steps from then on
+    def __init__(self, run, recorder_type: type):
+        self.recorder_type = recorder_type  # CudaGraphs, or on a CPU the stand-in Reruns
+        self.recorder = None  # made at the first step: after any resume (AdamW's restored state goes to the GPU)
+        self.graphs: dict[tuple, Graph] = {}
+        self.warm: set[tuple] = set()  # keys whose eager first step ran
+        self.failed = False  # a recording failed: eager steps from then on
         self.replays = self.eager_steps = 0
         run.objective.autocast_cache = False  # a graph must not hold casts cached by another step's pass
-        self.lrs: torch.Tensor | None = None  # every group's lr, on the device (`_put_lr_on_device`)
+        run.average = run.average.on_device()  # the average's update reads no number on the host
 
-    def step(self, run, progress, tasks: tuple[str, ...], ends_update: bool) -> None:
-        """One whole step (its batches, forward, loss, backward, clipping, AdamW, the moving average), then
-        the LR schedule's step; the step's losses and counts added to the epoch's totals. Every step ends an
-        update (`ends_update` is always true: a captured run has train.grad_accum 1). Its signature is
-        `finetune.eager_step`'s, which the loop calls alike (tests/test_capture.py holds them equal)."""
-        self._put_lr_on_device(run)
-        pieces = []
-        for task in tasks:
-            global_rows = run.streams[task].next()
-            rows = shard(global_rows, run.ranks)
-            for piece in micro_batches(rows, run.row_lengths[task], run.train.max_batch_tokens, run.pad_multiple):
-                batch = one_width(run.train_data[task].batch(piece, run.model.encoding(task), run.pad_multiple),
-                                  run.model.family.pad_id)
-                pieces.append(Piece(task, len(piece), batch, padding_free_tokens(batch),
-                                    share=len(piece) * run.ranks.world_size / len(global_rows),
-                                    weight=len(piece) / len(rows)))
-            progress.totals.batches[task] += bool(len(rows))
-        losses = self._run(run, pieces)
-        self._schedule(run)
-        run.average.count_update()
-        progress.updates += 1
-        where = f"at epoch {progress.epoch + 1} step {progress.step_in_epoch + 1}"
-        for piece, loss in zip(pieces, losses, strict=True):
-            run.finite.add(loss.total.clone(), f"{piece.task} loss", where)  # the graph's buffer is reused
-            progress.totals.add(piece.task, piece.rows, piece.tokens, loss, piece.weight)
-
-    def _run(self, run, pieces: list[Piece]) -> list[BatchLoss]:
-        key = tuple((piece.task, tuple((name, tuple(t.shape)) for name, t in piece.batch.items()))
-                    for piece in pieces)
+    def __call__(self, run, progress, pieces: Pieces, ends_update: bool) -> list[BatchLoss]:
+        """The step's device work (`compute`'s): eager at a key's first step, recorded at its second, replayed
+        from then on. Every step ends an update: a captured run has train.grad_accum 1."""
+        if self.recorder is None:
+            self.recorder = self.recorder_type(run)
+        pieces = {task: [dataclasses.replace(piece, batch=one_width(piece.batch, run.model.family.pad_id))
+                         for piece in task_pieces] for task, task_pieces in pieces.items()}
+        key = tuple((task, tuple(tuple((name, tuple(t.shape)) for name, t in piece.batch.items())
+                                 for piece in task_pieces)) for task, task_pieces in pieces.items())
         graph = self.graphs.get(key)
         if graph is None and key in self.warm and not self.failed:
-            graph = self._capture(run, key, pieces)
+            graph = self._record(run, progress, key, pieces, ends_update)
         if graph is None:
             self.warm.add(key)
             self.eager_steps += 1
-            run.optimizer.zero_grad(set_to_none=True)  # .grad may still be some graph's buffers
-            return self._body(run, [(piece.task, on_device(piece.batch, run.device), piece.share)
-                                    for piece in pieces])
-        for buffers, piece in zip(graph.inputs, pieces, strict=True):
-            for name, tensor in piece.batch.items():
-                buffers[name].copy_(tensor.pin_memory(), non_blocking=True)
-        graph.graph.replay()
+            return compute(run, progress, pieces, ends_update)
+        for buffers, batch in zip(batches(graph.pieces), batches(pieces), strict=True):
+            for name, tensor in batch.items():
+                buffers[name].copy_(tensor.pin_memory() if buffers[name].is_cuda else tensor, non_blocking=True)
+        self.recorder.replay(graph.recorded)
         self.replays += 1
-        return graph.losses
+        return [copied(loss) for loss in graph.losses]  # the next replay overwrites the graph's
 
     def summary(self) -> str:
         return f"{len(self.graphs)} graphs captured, {self.replays} steps replayed, {self.eager_steps} eager"
 
-    def _capture(self, run, key: Key, pieces: list[Piece]) -> Graph | None:
-        """The step of this key as a CUDA graph, its input buffers and losses; None if capture fails (then
-        every later step is eager, after one log line)."""
-        inputs = [{name: torch.empty(t.shape, dtype=t.dtype, device=run.device) for name, t in piece.batch.items()}
-                  for piece in pieces]
-        run.optimizer.zero_grad(set_to_none=True)  # the graph's backward allocates its own .grad buffers
-        graph = torch.cuda.CUDAGraph()
+    def _record(self, run, progress, key: tuple, pieces: Pieces, ends_update: bool) -> Graph | None:
+        """The step of this key recorded on static input buffers (recording runs nothing: the replay that
+        follows does); None if recording fails (then every later step is eager, after one log line)."""
+        static = {task: [dataclasses.replace(piece, batch={name: torch.empty(t.shape, dtype=t.dtype, device=run.device)
+                                                          for name, t in piece.batch.items()})
+                         for piece in task_pieces] for task, task_pieces in pieces.items()}
         try:
-            with torch.cuda.graph(graph):
-                losses = self._body(run, [(piece.task, buffers, piece.share)
-                                          for piece, buffers in zip(pieces, inputs, strict=True)])
+            recorded, losses = self.recorder.record(lambda: compute(run, progress, static, ends_update))
         except RuntimeError as error:
             self.failed = True
             log.warning("captured steps off from here: capturing a %s step failed (%s); the eager step runs",
-                        "+".join(dict.fromkeys(piece.task for piece in pieces)), " ".join(str(error).split())[:200])
+                        "+".join(pieces), " ".join(str(error).split())[:200])
             run.optimizer.zero_grad(set_to_none=True)
             return None
-        self.graphs[key] = Graph(graph, inputs, losses)
+        self.graphs[key] = Graph(recorded, static, losses)
+        log.info("captured steps: a %s step recorded, %d graph(s)", "+".join(pieces), len(self.graphs))
         return self.graphs[key]
 
-    @staticmethod
-    def _body(run, pieces: list[tuple[str, dict[str, torch.Tensor], float]]) -> list[BatchLoss]:
-        """What a graph holds: each piece's forward, loss and backward, the clipping, AdamW and the moving
-        average. The same code runs a key's eager first step."""
-        losses = []
-        for task, batch, share in pieces:
-            loss = run.objective(run.model, task, batch)
-            (loss.total * share).backward()
-            losses.append(loss)
-        if run.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.train.grad_clip)
-        run.optimizer.step()
-        run.average.update_on_device(run.model)
-        return losses
 
-    def _put_lr_on_device(self, run) -> None:
-        """Each group's lr as a view into one device vector, which AdamW reads inside the graph; AdamW in
-        its capturable form (its step count on the device). Once per process: a checkpoint restores plain
-        numbers."""
-        if self.lrs is not None:
+def batches(pieces: Pieces) -> Iterator[dict[str, torch.Tensor]]:
+    return (piece.batch for task_pieces in pieces.values() for piece in task_pieces)
+
+
+def copied(loss: BatchLoss) -> BatchLoss:
+    return dataclasses.replace(loss, total=loss.total.detach().clone(), task_loss=loss.task_loss.clone())
+
+
+# --- the recorder: CUDA graphs, or a CPU stand-in with the same two calls -----------------------------------
+class CudaGraphs:
+    """Records a function's kernels as a CUDA graph (running none of them) and replays them on the same
+    buffers, the lr read from one device vector."""
+
+    def __init__(self, run):
+        self.lrs = DeviceLrs(run.optimizer, run.device)
+
+    def record(self, function: Callable[[], list[BatchLoss]]) -> tuple[torch.cuda.CUDAGraph, list[BatchLoss]]:
+        graph = torch.cuda.CUDAGraph()
+        with self.lrs.as_views(), torch.cuda.graph(graph):
+            outputs = function()
+        return graph, outputs
+
+    def replay(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.lrs.refill()
+        graph.replay()
+
+
+@dataclasses.dataclass
+class Rerun:
+    function: Callable[[], list[BatchLoss]]
+    outputs: list[BatchLoss]
+
+
+class Reruns:
+    """The CPU stand-in for `CudaGraphs`: recording keeps the function and runs nothing, as a CUDA graph's
+    recording runs no kernel; a replay runs it and writes its losses into the ones recording returned, in
+    place, as a graph's replay overwrites its output buffers."""
+
+    def __init__(self, run):
+        pass
+
+    def record(self, function: Callable[[], list[BatchLoss]]) -> tuple[Rerun, list[BatchLoss]]:
+        rerun = Rerun(function, [])
+        return rerun, rerun.outputs
+
+    def replay(self, rerun: Rerun) -> None:
+        fresh = rerun.function()
+        if not rerun.outputs:  # the first replay: the outputs' buffers are made
+            rerun.outputs.extend(dataclasses.replace(loss, total=loss.total.detach()) for loss in fresh)
             return
-        groups = run.optimizer.param_groups
-        self.lrs = torch.tensor([float(group["lr"]) for group in groups], dtype=torch.float32, device=run.device)
-        for index, group in enumerate(groups):
-            group["lr"], group["capturable"] = self.lrs[index], True
-        for state in run.optimizer.state.values():
-            if "step" in state:
-                state["step"] = state["step"].to(run.device, torch.float32)
+        for kept, loss in zip(rerun.outputs, fresh, strict=True):  # overwritten in place, as a graph's are
+            kept.total.copy_(loss.total.detach())
+            kept.task_loss.copy_(loss.task_loss)
 
-    def _schedule(self, run) -> None:
-        """The LR schedule's step on the host, as in the eager loop; its values reach the graph's lr vector
-        in one copy (the scheduler would fill each group's tensor with a launch of its own)."""
-        groups = run.optimizer.param_groups
-        for group in groups:
-            group["lr"] = 0.0  # a number for the scheduler to set
-        run.scheduler.step()
-        values = torch.tensor([group["lr"] for group in groups], dtype=torch.float32)
-        self.lrs.copy_(values.pin_memory(), non_blocking=True)
-        for index, group in enumerate(groups):
-            group["lr"] = self.lrs[index]
+
+class DeviceLrs:
+    """Each param group's lr as AdamW reads it inside a graph: one device vector, which the groups' lrs are
+    views into while a graph is recorded, refilled from the LR schedule's numbers with one copy before each
+    replay (the scheduler would fill each group's tensor with a launch of its own). Outside a recording the
+    groups hold numbers, as in the eager step, so the schedule and a checkpoint see numbers. AdamW runs in its
+    capturable form: its step count on the device."""
+
+    def __init__(self, optimizer, device: torch.device):
+        self.groups = optimizer.param_groups
+        self.values = torch.zeros(len(self.groups), dtype=torch.float32, device=device)
+        for group in self.groups:
+            group["capturable"] = True
+        for state in optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].to(device, torch.float32)
+
+    def refill(self) -> None:
+        numbers = torch.tensor([float(group["lr"]) for group in self.groups], dtype=torch.float32)
+        self.values.copy_(numbers.pin_memory(), non_blocking=True)
+
+    @contextlib.contextmanager
+    def as_views(self) -> Iterator[None]:
+        numbers = [group["lr"] for group in self.groups]
+        for index, group in enumerate(self.groups):
+            group["lr"] = self.values[index]
+        try:
+            yield
+        finally:
+            for group, number in zip(self.groups, numbers, strict=True):
+                group["lr"] = number
 
 
 def one_width(batch: dict[str, torch.Tensor], pad_id: int = 0) -> dict[str, torch.Tensor]:

@@ -2,10 +2,11 @@
 predictions of the training rows (Hinton et al. 2015; for multitask models Liu et al. 2019, "Improving
 Multi-Task Deep Neural Networks via Knowledge Distillation for Natural Language Understanding").
 
-The student runs the fine-tuning loop (mtbert/training/finetune.py, `fine_tune(..., distillation)`) as
-it is; `prepare` (training/build.py) takes the `Distillation` and changes two things: each training row
-carries the teacher's prediction (`TaughtSplit`), and each task's loss is its kind's unit blended with the
-teacher's (`Distilled`, beside the units in mtbert/training/losses.py, whose docstring gives the formulas).
+The student runs the fine-tuning loop (mtbert/training/finetune.py, `fine_tune(..., labels=distillation)`)
+as it is; `prepare` (training/build.py) asks its `labels` (`GoldLabels` by default, a `Distillation` for a
+student) for two things: each training row carries the teacher's prediction (`TaughtSplit`), and each task's
+loss is its kind's unit blended with the teacher's (`Distilled`, beside the units in
+mtbert/training/losses.py, whose docstring gives the formulas).
 With a transfer set (mtbert/data/transfer.py), its rows join the training split with the teacher's
 prediction and no gold label. Where the teacher's predictions come from: mtbert/evaluation/teacher.py.
 """
@@ -48,8 +49,24 @@ def concatenated(first: TaskSplit, second: TaskSplit) -> dict:
                        for name, column in first.tokens.items()}, "pad_id": first.pad_id}
 
 
+class GoldLabels:
+    """What an ordinary run trains on: the gold labels alone, with each task's kind of loss."""
+
+    def taught(self, split: TaskSplit) -> TaskSplit:
+        return split
+
+    def losses(self, units: dict[str, KindLoss]) -> dict[str, KindLoss]:
+        return units
+
+    def fingerprint(self, run_fingerprint: str) -> str:
+        return run_fingerprint
+
+
+GOLD = GoldLabels()
+
+
 @dataclasses.dataclass(frozen=True)
-class Distillation:
+class Distillation(GoldLabels):
     """What makes a fine-tuning run a student's: the teacher's predictions per task, as (row ids, values),
     and how they blend with the gold labels."""
     teacher: dict[str, tuple[np.ndarray, np.ndarray]]

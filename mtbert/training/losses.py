@@ -167,6 +167,9 @@ class Objective:
         loss = self.losses[task](self.forward(model, task, batch), batch)
         return BatchLoss(total=model.head_params[task].loss_weight * loss, task_loss=loss.detach())
 
+    def after_update(self, model: MultitaskModel) -> None:
+        """What follows the weights after each update: nothing here (the Bregman teacher, training/smart.py)."""
+
     def state_dict(self) -> dict:
         return {}
 

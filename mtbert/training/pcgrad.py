@@ -2,9 +2,9 @@
 
 Each task's gradient is projected onto the normal plane of every other task's (original) gradient it
 conflicts with (negative dot product), the others taken in random order; the projected gradients are
-summed. Gradients that do not conflict pass unchanged. `PCGrad` collects a step's gradients per task for
-that (`train.gradient: pcgrad`): training/build.py's `step_hooks` puts its `backward` in the step in place of
-`Tensor.backward`, and its `end_task` and `end_step` after each task and each step.
+summed. Gradients that do not conflict pass unchanged. `PCGrad` is the step's gradient combination with
+`train.gradient: pcgrad` (training/step.py's `Gradients`, chosen by training/build.py): it collects each task's
+gradient apart, then projects and sums them into `.grad` at the step's end.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mtbert.rng import PCGRAD_ORDER, generator
 from mtbert.training.distributed import Ranks, average_tensor
 
 
@@ -53,8 +54,8 @@ class PCGrad:
     """A step's gradients kept apart per task, each averaged over the ranks, then projected and summed into
     the parameters' .grad at the step's end."""
 
-    def __init__(self, parameters: list[torch.nn.Parameter], ranks: Ranks, device: torch.device):
-        self.parameters, self.ranks, self.device = parameters, ranks, device
+    def __init__(self, parameters: list[torch.nn.Parameter], ranks: Ranks, device: torch.device, seed: int):
+        self.parameters, self.ranks, self.device, self.seed = parameters, ranks, device, seed
         self.task_gradient: torch.Tensor | None = None
         self.per_task: list[torch.Tensor] = []
 
@@ -70,7 +71,12 @@ class PCGrad:
         self.per_task.append(average_tensor(gradient, self.ranks))  # project the global gradients
         self.task_gradient = None
 
-    def end_step(self, order: np.random.Generator) -> None:
-        """`order` draws the order the other tasks are projected in: the same on every rank and on resume."""
+    def end_step(self, progress) -> None:
+        """The tasks' gradients projected and summed into `.grad`. The order the other tasks are projected in is
+        drawn from the seed and the step's place: the same on every rank and on resume."""
+        order = generator(self.seed, PCGRAD_ORDER, progress.epoch, progress.step_in_epoch)
         accumulate(self.parameters, sum(project_conflicts(self.per_task, order)))
         self.per_task = []
+
+    def before_update(self) -> None:
+        pass  # each task's gradient was averaged over the ranks already (`end_task`)
