@@ -2,13 +2,14 @@
 # `make check`: lint and the fast tests only (those not marked slow), the loop to run after each edit.
 # `make members`: on a GPU, every ensemble member's training at once (docs/distributed.md).
 # `make mpnet`: the optional all-mpnet-base-v2 backbone, offline (440 MB; docs/data.md#backbone-resolution).
+# `make fuzz`: the deep fuzz of the API and the readers (needs exports/ensemble: `make repro` first).
 # Both create .venv on first use; later runs reuse it and reinstall only when pyproject.toml changes.
 PYTHON ?= python3
 VENV := .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: install repro members mpnet test check lint results plots
+.PHONY: install repro members mpnet test check lint results plots fuzz
 
 install: $(VENV)/.installed
 
@@ -37,6 +38,10 @@ test: lint
 
 check: lint
 	pytest -m "not slow"
+
+fuzz: install  # the deep run: the API fuzzed from its OpenAPI document, then the readers' properties, many more examples
+	python -m bench.fuzz --model exports/ensemble --examples 500
+	HYPOTHESIS_PROFILE=deep pytest -n 0 tests/test_properties.py
 
 plots: install  # `dvc plots show`'s page (dvc_plots/index.html), with Vega inline: it renders offline
 	python -m mtbert.offline_plots .dvc/tmp/plots-offline.html

@@ -75,8 +75,8 @@ def predict(texts: list[str] = typer.Argument(None, help="texts; for pair tasks 
         rows = rows_from_arguments(texts, columns)
     else:
         rows = rows_from_file(input_file, columns, skip_bad_rows)
-        if skip_bad_rows:
-            rows = valid_rows(rows, predictor, task, "stdin" if input_file == "-" else input_file)
+        check = valid_rows if skip_bad_rows else checked_rows
+        rows = check(rows, predictor, task, "stdin" if input_file == "-" else input_file)
     results = [{"id": row["id"], **{column: row[column] for column in columns}} for row in rows]
     for name in task:
         values = predictor.predict(name, [tuple(row[c] for c in predictor.tasks[name].text_columns) for row in rows])
@@ -231,25 +231,40 @@ def rows_from_file(name: str, columns: list[str], keep_bad: bool = False) -> lis
 ROW_NUMBER = "_row"  # a file row's number, for the report of a skipped row; not an output column
 
 
+def row_problem(row: dict, predictor, tasks: list[str]) -> str | None:
+    """Why a file's row cannot be predicted for every requested task (a column missing, not text, empty or
+    invisible), or None."""
+    from mtbert.inputs import InputError, check_texts
+
+    for name in tasks:
+        columns = predictor.tasks[name].text_columns
+        missing = [column for column in columns if row.get(column) is None]
+        if missing:
+            return f"no {missing[0]!r}"
+        try:
+            check_texts(predictor.tasks[name], [tuple(row[column] for column in columns)], "")
+        except InputError as error:
+            return str(error).split(": ", 1)[1]  # without check_texts' own "row 1" prefix
+    return None
+
+
+def checked_rows(rows: list[dict], predictor, tasks: list[str], label: str) -> list[dict]:
+    """The rows, if every requested task can read each; else the first bad one, refused in one line naming
+    the file and the row."""
+    for row in rows:
+        reason = row_problem(row, predictor, tasks)
+        if reason is not None:
+            raise CommandInputError(f"{label} row {row[ROW_NUMBER]} (id {row['id']}): {reason}; or pass "
+                                    "--skip-bad-rows to predict the others")
+    return rows
+
+
 def valid_rows(rows: list[dict], predictor, tasks: list[str], label: str) -> list[dict]:
     """The rows every requested task can read; each other one reported on stderr in one line (its row
     number, id and why), as `tokenize` reports the raw files' rejects, then how many were skipped."""
-    from mtbert.inputs import InputError, check_texts
-
     kept = []
     for row in rows:
-        reason = None
-        for name in tasks:
-            columns = predictor.tasks[name].text_columns
-            missing = [column for column in columns if row.get(column) is None]
-            if missing:
-                reason = f"no {missing[0]!r}"
-                break
-            try:
-                check_texts(predictor.tasks[name], [tuple(row[column] for column in columns)], "")
-            except InputError as error:
-                reason = str(error).split(": ", 1)[1]  # without check_texts' own "row 1" prefix
-                break
+        reason = row_problem(row, predictor, tasks)
         if reason is None:
             kept.append(row)
         else:

@@ -33,11 +33,34 @@ def check_texts(task, texts: Sequence[Text], where: str = "input") -> list[tuple
             raise InputError(f"{where} row {index}: task {task.name} reads {kind} "
                              f"({', '.join(task.text_columns)}), got {len(row)} text(s)")
         for column, value in zip(task.text_columns, row, strict=True):
-            if not isinstance(value, str) or not has_visible_text(value):
+            if not isinstance(value, str):
+                raise InputError(f"{where} row {index}: {column} is not text (a JSON {json_type(value)}); "
+                                 "expected a string")
+            broken = first_surrogate(value)
+            if broken is not None:
+                raise InputError(f"{where} row {index}: {column} holds a lone surrogate ({broken}), which is not a "
+                                 "character; expected valid Unicode text")
+            if not has_visible_text(value):
                 raise InputError(f"{where} row {index}: {column} is empty or invisible; expected a text with "
                                  "at least one visible character")
         rows.append(row)
     return rows
+
+
+def first_surrogate(text: str) -> str | None:
+    """Where `text` holds half of a UTF-16 pair, which JSON can carry ("\\ud800") and no tokenizer can take,
+    e.g. "U+D800 at character 4"; None for valid text."""
+    try:
+        text.encode("utf-8")  # fails exactly on surrogates, at C speed
+    except UnicodeEncodeError as error:
+        return f"U+{ord(text[error.start]):04X} at character {error.start + 1}"
+    return None
+
+
+def json_type(value) -> str:
+    """The JSON name of a value's type, as a user wrote it in a JSON-lines file."""
+    names = {bool: "boolean", int: "number", float: "number", list: "array", tuple: "array", dict: "object"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 # Unicode categories that show nothing: separators (Z*: spaces, line and paragraph separators) and "other"

@@ -4,7 +4,9 @@
     manifest = verify(folder, ["tokenizer.json"])  # those files checked (all listed ones without a list)
 
 A file that is missing, or whose bytes are not the ones the manifest was written for, is an IntegrityError
-naming it. Imports nothing heavy: the ONNX engine checks its export with it before loading a graph.
+naming it. The manifest guards itself too: its `digest` is the sha256 of the rest of it, so a changed entry
+(a pad id, a column's name, a file's hash) is refused, not read. Imports nothing heavy: the ONNX engine
+checks its export with it before loading a graph.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from mtbert.runtime import UserError
 
 MANIFEST_FILE = "manifest.json"
+DIGEST = "digest"  # the manifest's own sha256, of its other keys
 
 
 class IntegrityError(UserError, ValueError):
@@ -43,11 +46,18 @@ def write_manifest(folder: Path | str, contents: dict, manifest_name: str = MANI
     from mtbert import io  # here: io imports pyarrow, which the readers of manifests never need
 
     folder = Path(folder)
-    if "files" in contents:
-        raise ValueError("a manifest's `files` are computed, not given")
+    if "files" in contents or DIGEST in contents:
+        raise ValueError(f"a manifest's `files` and `{DIGEST}` are computed, not given")
     manifest = {**contents, "files": {name: sha256_file(folder / name) for name in folder_files(folder, manifest_name)}}
+    manifest[DIGEST] = contents_digest(manifest)
     io.write_json(folder / manifest_name, manifest)
     return manifest
+
+
+def contents_digest(manifest: dict) -> str:
+    """The sha256 of a manifest's keys but its digest, as canonical JSON (a JSON round trip keeps it)."""
+    rest = {key: value for key, value in manifest.items() if key != DIGEST}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
 
 def read_manifest(folder: Path | str, manifest_name: str = MANIFEST_FILE) -> dict:
@@ -60,6 +70,11 @@ def read_manifest(folder: Path | str, manifest_name: str = MANIFEST_FILE) -> dic
         manifest = None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise IntegrityError(f"{path}: not a manifest (expected a JSON object with `files`, each file's sha256)")
+    if DIGEST not in manifest:
+        raise IntegrityError(f"{path} has no `{DIGEST}` (written by an older mtbert); write the folder again")
+    if manifest[DIGEST] != contents_digest(manifest):
+        raise IntegrityError(f"{path}: its contents do not match its `{DIGEST}`: the manifest changed after it "
+                             "was written (write the folder again)")
     return manifest
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -48,6 +49,15 @@ RAW_FILES = {
     "sts-dev.csv": "\tid\tsentence1\tsentence2\tsimilarity\n3\ttd1\tA boy eats.\tA child eats.\t3.8\n",
     "sts-test-student.csv": "\tid\tsentence1\tsentence2\n4\ttt1\tTwo dogs play.\tDogs are playing.\n",
 }
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    """Until `condition()` holds: a test waits for an event (a counter, a status), never for a number of
+    seconds, which a busy machine would outrun; fails naming `what` after `timeout`, slack far beyond noise."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        time.sleep(0.02)
 
 
 def write_raw_files(directory: Path, overrides: dict[str, str | bytes] | None = None) -> Path:
@@ -314,7 +324,7 @@ def kill_once_checkpointed(command: list[str], checkpoint: Path, timeout: float 
 # rather than waits while it is built; the other files that use it go last.
 LONGEST_FIRST = ("test_pipeline.py", "test_faults.py", "test_distributed.py", "test_train.py", "test_deploy.py",
                  "test_families.py", "test_arch.py", "test_pretrain.py", "test_errors.py")
-USE_DEPLOYED = ("test_ensemble_export.py", "test_serve_hostile.py", "test_serve.py", "test_bench.py")
+USE_DEPLOYED = ("test_ensemble_export.py", "test_serve_hostile.py", "test_serve.py", "test_fuzz.py", "test_bench.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -184,6 +184,14 @@ def test_write_manifest_and_verify_name_the_file_that_changed(tmp_path):
         verify(tmp_path, ["sub/b.txt"])
     with pytest.raises(IntegrityError, match=r"c.txt: not listed in"):
         verify(tmp_path, ["c.txt"])
+    changed = {**manifest, "format": 2}  # an entry of the manifest itself, edited
+    (tmp_path / "manifest.json").write_text(json.dumps(changed))
+    with pytest.raises(IntegrityError, match=r"manifest.json: its contents do not match its `digest`"):
+        verify(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({key: value for key, value in manifest.items()
+                                                       if key != "digest"}))
+    with pytest.raises(IntegrityError, match=r"manifest.json has no `digest` \(written by an older mtbert\)"):
+        verify(tmp_path)
     (tmp_path / "manifest.json").write_text("[]")
     with pytest.raises(IntegrityError, match=r"manifest.json: not a manifest"):
         verify(tmp_path)
@@ -285,6 +293,11 @@ def subprocess_text(result: subprocess.CompletedProcess) -> subprocess.Completed
     (["--task", "nope", "x"], None, r"^error: unknown task 'nope'"),
     (["--task", "sst", "--task", "sts", "x"], None, r"^error: tasks sst, sts mix single sentences and pairs"),
     (["--task", "sst", "--input", "-"], b"sentence\n\n", r"^error: stdin: no rows; expected sentence per row$"),
+    (["--task", "sst", "--input", "-"], b'{"sentence": "fine"}\n{"sentence": 3}\n',
+     r"^error: stdin row 2 \(id 2\): sentence is not text \(a JSON number\); expected a string; or pass "
+     r"--skip-bad-rows to predict the others$"),
+    (["--task", "sst", "--input", "-"], "sentence\nfine\n\u200b\n".encode(),
+     r"^error: stdin row 2 \(id 2\): sentence is empty or invisible"),
 ])
 def test_bad_input_is_the_same_one_line_on_both_engines(deployed, arguments, stdin, message):
     """The export's command as a process of its own, so its stderr is exactly what a user sees; the PyTorch

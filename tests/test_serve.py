@@ -17,7 +17,7 @@ import pytest
 
 from bench.common import free_port, start_server, stop_server
 from mtbert.deploy.engine import OnnxPredictor
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, wait_for
 
 LIMITS = {"max_texts": 4, "max_chars": 200, "max_body_bytes": 2000}
 STARTUP_SECONDS = 300  # generous: a loaded machine (the other test workers) slows the start
@@ -125,7 +125,7 @@ def test_unknown_paths_and_methods_are_refused_in_json(server):
     missing = httpx.get(f"{server}/nothing")
     assert missing.status_code == 404 and missing.json() == {
         "error": "not found: GET /nothing; the API has POST /predict, GET /tasks, GET /health, GET /ready, "
-                 "GET /metrics"}
+                 "GET /metrics, GET /openapi.json"}
     wrong = httpx.get(f"{server}/predict")
     assert wrong.status_code == 405 and wrong.json()["error"].startswith("method not allowed: GET /predict")
 
@@ -270,12 +270,14 @@ def test_ready_is_503_while_draining_a_request_and_the_grace_period_ends_in_a_50
     try:
         with httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(1) as pool:
             assert client.get("/ready").json() == {"status": "ready"}
+            queued = client.get("/health").json()["requests"]
             waiting = pool.submit(lambda: httpx.post(f"{url}/predict", json={"task": "sst", "texts": ["Fine."]},
                                                      timeout=60))
-            time.sleep(0.5)
+            wait_for(lambda: client.get("/health").json()["requests"] > queued, "the request queued")
             process.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
-            ready = client.get("/ready")  # on the connection the server already had
+            answers = []  # /ready on the connection the server already had, until the drain has begun
+            wait_for(lambda: answers.append(client.get("/ready")) or answers[-1].status_code != 200, "the drain")
+            ready = answers[-1]
             assert ready.status_code == 503 and ready.headers["connection"] == "close"
             assert ready.json() == {"error": "draining: the server is shutting down and takes no new work"}
             refused = waiting.result()

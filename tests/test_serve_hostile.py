@@ -22,6 +22,7 @@ import pytest
 
 from bench.common import start_server, stop_server
 from mtbert.deploy.engine import OnnxPredictor
+from tests.conftest import wait_for
 
 STARTUP_SECONDS = 300
 API_KEY = "test-key-1"
@@ -130,7 +131,7 @@ def test_a_bad_text_fails_only_its_own_request(strict):
     with ThreadPoolExecutor(len(texts)) as pool:
         responses = list(pool.map(lambda text: post(url, [text]), texts))
     assert [r.status_code for r in responses] == [200, 200, 422, 200]
-    assert responses[2].json() == {"error": "texts row 1: a text holds a lone surrogate (U+D800 at character 4), "
+    assert responses[2].json() == {"error": "texts row 1: sentence holds a lone surrogate (U+D800 at character 4), "
                                             "which is not a character; expected valid Unicode text"}
 
 
@@ -149,12 +150,13 @@ def test_a_client_that_hangs_up_is_one_log_line_and_is_never_computed(strict):
     half_a_body(url).close()  # mid-body
     queued = raw_connection(url)  # a whole request, then gone while its batch waits for company
     body = json.dumps({"task": "sst", "texts": ["Gone."]}).encode()
+    requests = httpx.get(f"{url}/health").json()["requests"]
     queued.sendall(b"POST /predict HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer " + API_KEY.encode() +
                    b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    time.sleep(0.2)
+    wait_for(lambda: httpx.get(f"{url}/health").json()["requests"] > requests, "the request queued")
     queued.close()
-    time.sleep(BATCH_WAIT_MS / 1000 + 0.5)
-    assert metric(url, "mtbert_requests_total", endpoint="/predict", status="499") == gone + 2
+    wait_for(lambda: metric(url, "mtbert_requests_total", endpoint="/predict", status="499") == gone + 2,
+             "both hang-ups counted as 499")
     assert httpx.get(f"{url}/health").json()["engine_calls"] == calls  # its batch ran nothing
     text = log.read_text()
     assert re.search(r"the client hung up while sending its body \(\d bytes came\); nothing was sent", text)
@@ -293,7 +295,8 @@ def test_a_signal_to_the_process_group_is_one_drain_that_keeps_its_grace(deploye
     try:
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(httpx.post, f"{url}/predict", json={"task": "sst", "texts": ["Fine."]}, timeout=60)
-            time.sleep(0.5)
+            # a worker has queued it (each worker counts its own; /health reaches either)
+            wait_for(lambda: httpx.get(f"{url}/health").json()["requests"] >= 1, "the request queued")
             os.killpg(process.pid, signal.SIGTERM)
             assert waiting.result().status_code == 200
         assert process.wait(timeout=60) == 0

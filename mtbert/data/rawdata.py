@@ -70,7 +70,8 @@ def read_table(path: Path, *, required_columns: list[str], forbidden_columns=())
     """Read a tab-separated file with CSV quoting, every cell as a string, columns checked by name.
 
     A row with fewer cells than the header is padded with empty cells (validation then rejects it);
-    a row with more cells is an error, since there is no telling which cell is which.
+    a row with more cells is an error, since there is no telling which cell is which, and so is a file of a
+    header alone.
     """
     reader = csv.reader(io.StringIO(_decode_utf8(path)), delimiter="\t", quoting=csv.QUOTE_MINIMAL,
                         strict=True)
@@ -91,8 +92,10 @@ def read_table(path: Path, *, required_columns: list[str], forbidden_columns=())
     except csv.Error as error:
         raise RawDataError(f"{path}: not a valid tab-separated file at line {reader.line_num}: "
                            f"{error}") from None
-    return pd.DataFrame(rows, columns=header, dtype=str) if rows else pd.DataFrame(columns=header,
-                                                                                   dtype=str)
+    if not rows:  # an empty split trains or scores nothing: never a result
+        raise RawDataError(f"{path}: no rows after the header; expected one row per example with "
+                           f"{', '.join(required_columns)}")
+    return pd.DataFrame(rows, columns=header, dtype=str)
 
 
 def _check_header(path: Path, header: list[str], required: list[str], forbidden) -> None:

@@ -7,6 +7,7 @@
                    past --request-timeout or the batching loop has stopped (liveness)
     GET  /ready    200 {"status": "ready"} once the model is loaded, 503 while starting or draining (readiness)
     GET  /metrics  Prometheus metrics (mtbert/deploy/metrics.py)
+    GET  /openapi.json  the OpenAPI document of these routes, every response documented (mtbert/deploy/schema.py)
 
 The results are `mtbert predict`'s (the same engine: mtbert/predictors.py), computed in shared
 batches (mtbert/deploy/batcher.py). Every refusal is a status and `{"error": "<one line>"}` naming the
@@ -38,6 +39,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from mtbert.deploy import schema
 from mtbert.deploy.batcher import EngineFailed, MicroBatcher, Overloaded
 from mtbert.deploy.lifecycle import Lifecycle
 from mtbert.deploy.metrics import ServerMetrics
@@ -45,7 +47,7 @@ from mtbert.deploy.middleware import ClientGone, ServingMiddleware
 from mtbert.deploy.serve_config import Admission, Batching, Limits, Operations
 from mtbert.inputs import InputError, check_texts
 
-ENDPOINTS = "POST /predict, GET /tasks, GET /health, GET /ready, GET /metrics"
+ENDPOINTS = "POST /predict, GET /tasks, GET /health, GET /ready, GET /metrics, GET /openapi.json"
 
 
 class ApiError(Exception):
@@ -76,20 +78,20 @@ def create_app(predictor, limits: Limits = Limits(), batching: Batching = Batchi
         lifecycle.ready = False
         await batcher.stop()
 
-    app = FastAPI(title="mtbert", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="mtbert", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.lifecycle = lifecycle
     app.add_middleware(ServingMiddleware, lifecycle=lifecycle, metrics=metrics, admission=admission,
                        operations=operations)
     add_error_handlers(app)
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses=schema.HEALTH)
     async def health() -> JSONResponse:
         problem = engine_problem(batcher, admission.request_timeout)
         body = {"status": "unhealthy" if problem else "ok", "tasks": list(predictor.tasks),
                 "requests": batcher.requests, "engine_calls": batcher.engine_calls, "draining": lifecycle.draining}
         return JSONResponse({**body, "error": problem} if problem else body, status_code=503 if problem else 200)
 
-    @app.get("/ready")
+    @app.get("/ready", response_model=None, responses=schema.READY)
     async def ready() -> dict:
         if lifecycle.draining:
             raise ApiError(503, "draining: the server is shutting down and takes no new work")
@@ -97,16 +99,19 @@ def create_app(predictor, limits: Limits = Limits(), batching: Batching = Batchi
             raise ApiError(503, "starting: the model is not loaded yet")
         return {"status": "ready"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_model=None, responses=schema.METRICS)
     async def metrics_text() -> Response:
         content, media_type = metrics.exposition()
         return Response(content, media_type=media_type)
 
-    @app.get("/tasks")
+    @app.get("/tasks", response_model=None, responses=schema.TASKS)
     async def tasks() -> dict:
         return {"tasks": {name: describe_task(task) for name, task in predictor.tasks.items()}}
 
-    @app.post("/predict")
+    sentences = {name: len(describe_task(task)["text"]) for name, task in predictor.tasks.items()}
+
+    @app.post("/predict", response_model=None, responses=schema.PREDICT,
+              openapi_extra=schema.predict_body(sentences, limits.max_texts, limits.max_chars))
     async def predict(request: Request) -> dict:
         body = await read_body(request, limits)
         task, texts = parse_request(body, predictor.tasks, limits)
@@ -240,22 +245,7 @@ def parse_request(body: bytes, tasks: dict, limits: Limits) -> tuple[str, list]:
         if longest > limits.max_chars:
             raise ApiError(413, f"texts row {index}: a text of {longest} characters, over the limit of "
                                 f"{limits.max_chars} per text (--max-chars)")
-        for side in sides:
-            broken = first_surrogate(side)
-            if broken is not None:
-                raise ApiError(422, f"texts row {index}: a text holds a lone surrogate ({broken}), which is not a "
-                                    "character; expected valid Unicode text")
-    return task, texts
-
-
-def first_surrogate(text: str) -> str | None:
-    """Where `text` holds half of a UTF-16 pair, which JSON can carry ("\\ud800") and no tokenizer can take,
-    e.g. "U+D800 at character 4"; None for valid text."""
-    try:
-        text.encode("utf-8")  # fails exactly on surrogates, at C speed
-    except UnicodeEncodeError as error:
-        return f"U+{ord(text[error.start]):04X} at character {error.start + 1}"
-    return None
+    return task, texts  # what each text holds (not empty, valid Unicode) is check_texts' (mtbert/inputs.py)
 
 
 def short(value) -> str:

@@ -32,7 +32,8 @@ from mtbert.deploy.lifecycle import Lifecycle, log
 from mtbert.deploy.metrics import ServerMetrics
 from mtbert.deploy.serve_config import Admission, Operations
 
-PATHS = ("/predict", "/tasks", "/health", "/ready", "/metrics")  # the metrics' endpoint label; others: "other"
+# the metrics' endpoint label; others: "other"
+PATHS = ("/predict", "/tasks", "/health", "/ready", "/metrics", "/openapi.json")
 GUARDED = ("/predict", "/metrics")  # the paths that ask for the bearer token
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed as is only if it is this plain
 CLIENT_GONE = 499

@@ -39,7 +39,7 @@ from mtbert.deploy.members import read_members
 from mtbert.evaluation.metrics import overall, task_metrics
 from mtbert.evaluation.predictions import read_aligned
 from mtbert.export.variant import export_variant, parity_difference, token_lists
-from mtbert.integrity import read_manifest, write_manifest
+from mtbert.integrity import DIGEST, read_manifest, write_manifest
 from mtbert.params import ExportParams
 
 log = logging.getLogger("export")
@@ -125,7 +125,7 @@ def keep_tasks(folder: Path, engines: dict[str, str]) -> None:
                 (folder / graph).unlink(missing_ok=True)
     manifest["tasks"] = {name: entry for name, entry in manifest["tasks"].items() if name in engines}
     manifest["task_engines"] = engines
-    write_manifest(folder, {key: value for key, value in manifest.items() if key != "files"})
+    write_manifest(folder, {key: value for key, value in manifest.items() if key not in ("files", DIGEST)})
 
 
 def write_card(folder: Path, members: dict[str, list[str]], choices: dict) -> None:
