@@ -20,7 +20,7 @@ from mtbert.data.tasks import tasks_from_params
 from mtbert.params_file import variant_params, with_changes
 from mtbert.training import finetune
 from mtbert.training.averaging import MovingAverage, OnDeviceAverage
-from mtbert.training.capture import CapturedSteps, Reruns, capture_blocker, device_work, one_width
+from mtbert.training.capture import CapturedSteps, DeviceLrs, Reruns, capture_blocker, device_work, one_width
 from mtbert.training.checkpoint import restore
 from mtbert.training.distributed import Ranks
 from mtbert.training.loop import Paths, TrainingError
@@ -195,6 +195,24 @@ def test_the_moving_averages_device_update_follows_its_host_update():
     restored = MovingAverage(model, 0.9, debiased=True).on_device()
     restored.load_state_dict(device.state_dict())
     assert restored.device_count is None  # taken again from the restored count at the next update
+
+
+def test_the_lr_vector_is_read_while_recording_and_refilled_from_the_schedules_numbers():
+    """What a CUDA graph's AdamW reads: each group's lr a view into one vector while a graph is recorded;
+    outside, numbers, which the LR schedule sets and a refill copies into the vector before each replay."""
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW([{"params": [model.weight], "lr": 0.1}, {"params": [model.bias], "lr": 0.2}])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    lrs = DeviceLrs(optimizer, torch.device("cpu"))
+    assert all(group["capturable"] for group in optimizer.param_groups)
+    with lrs.as_views():
+        assert [group["lr"].data_ptr() for group in optimizer.param_groups] == \
+               [lrs.values[0].data_ptr(), lrs.values[1].data_ptr()]
+    assert [group["lr"] for group in optimizer.param_groups] == [0.1, 0.2]  # numbers again
+    optimizer.step()  # (no gradients: nothing moves) before the schedule's step, as in training
+    scheduler.step()
+    lrs.refill()
+    assert lrs.values.tolist() == pytest.approx([0.05, 0.1])
 
 
 def test_a_checkpoint_of_device_lrs_restores_numbers(tmp_path):

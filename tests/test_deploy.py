@@ -318,7 +318,7 @@ def test_skip_bad_rows_predicts_the_rest_and_reports_each_skipped_row(deployed):
     tsv = b"id\tsentence1\tsentence2\na\tA man sings.\tA man is singing.\nb\tA dog runs.\t\nc\tTwo cats.\tCats.\n"
     arguments = ["--model", deployed.exports / "cross", "--task", "sts", "--input", "-"]
     refused = predict_in_process(*arguments, stdin=tsv)
-    assert refused.returncode == 1 and "row 2: sentence2 is empty" in refused.stderr
+    assert refused.returncode == 1 and "stdin row 2 (id b): sentence2 is empty" in refused.stderr
     kept = predict_in_process(*arguments, "--skip-bad-rows", stdin=tsv)
     assert kept.returncode == 0, kept.stderr
     assert [json.loads(line)["id"] for line in kept.stdout.splitlines()] == ["a", "c"]

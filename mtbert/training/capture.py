@@ -54,6 +54,7 @@ from mtbert.training.step import Pieces, compute
 
 log = logging.getLogger("train")
 
+
 def capture_blocker(run) -> str | None:
     """Why this run's step cannot be captured, or None when it can."""
     if run.train.grad_accum > 1:
@@ -221,7 +222,7 @@ class DeviceLrs:
 
     def refill(self) -> None:
         numbers = torch.tensor([float(group["lr"]) for group in self.groups], dtype=torch.float32)
-        self.values.copy_(numbers.pin_memory(), non_blocking=True)
+        self.values.copy_(numbers.pin_memory() if self.values.is_cuda else numbers, non_blocking=True)
 
     @contextlib.contextmanager
     def as_views(self) -> Iterator[None]:
