@@ -93,15 +93,17 @@ def start_server(log: Path, *arguments, timeout: float = 120, env: dict | None =
                  new_session: bool = False, port: int | None = None) -> tuple[subprocess.Popen, str]:
     """`mtbert serve` on a loopback port (`port`, else a free one; its stderr to `log`; `env` added to the
     environment; in a process group of its own with `new_session`), once /health answers: the process and
-    its base URL."""
+    its base URL; with `--workers N`, once the supervisor also says all N serve."""
     import os
 
     import httpx
 
     port = port or free_port()
+    arguments = list(map(str, arguments))
+    workers = int(arguments[arguments.index("--workers") + 1]) if "--workers" in arguments else 1
     with log.open("w") as stderr:  # a file, not a pipe: a pipe nobody reads could fill and block the server
         process = subprocess.Popen([sys.executable, "-m", "mtbert.cli", "serve", "--host", "127.0.0.1", "--port",
-                                    str(port), *map(str, arguments)], stdout=subprocess.DEVNULL, stderr=stderr,
+                                    str(port), *arguments], stdout=subprocess.DEVNULL, stderr=stderr,
                                    env={**os.environ, **(env or {})}, start_new_session=new_session)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
@@ -109,10 +111,13 @@ def start_server(log: Path, *arguments, timeout: float = 120, env: dict | None =
         if process.poll() is not None:
             raise RuntimeError(f"mtbert serve exited: {log.read_text().strip()}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            # several workers: /health reaches one of them, so also wait for the supervisor's word on all
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200 and (
+                    workers == 1 or f"all {workers} worker(s) serving" in log.read_text()):
                 return process, url
         except httpx.TransportError:
-            time.sleep(0.1)
+            pass
+        time.sleep(0.1)
     stop_server(process)
     raise RuntimeError(f"mtbert serve did not answer /health within {timeout:.0f} s")
 

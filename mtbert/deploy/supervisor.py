@@ -1,5 +1,7 @@
 """`mtbert serve --workers N`: one parent process that binds the port once and keeps N spawned workers on it.
 
+- "all N worker(s) serving" is logged once every worker serves; until then a signal can stop a worker that
+  is still loading its model (it has no request to drain).
 - A worker that dies after it started is replaced.
 - A worker that dies before it started (its model failed to load, the port's socket failed, ...) counts as a
   start failure. After START_FAILURES of them in a row the server stops, in one line, instead of starting
@@ -77,8 +79,9 @@ class Supervisor:
 
     def watch(self) -> WorkersFailedToStart | None:
         """Replace the workers that end, until a signal or START_FAILURES failed starts in a row."""
-        failures = 0
-        while not self.stop.wait(0.5):
+        failures, serving = 0, False
+        while not self.stop.wait(0.1):
+            serving = self.announce_serving(serving)
             for index, process in enumerate(self.processes):
                 if process.is_alive() or self.stop.is_set():
                     continue
@@ -91,6 +94,13 @@ class Supervisor:
                 log(f"worker {process.pid} ended (exit status {process.exitcode}); starting another")
                 self.start(index)
         return None
+
+    def announce_serving(self, announced: bool) -> bool:
+        """Log once each time every worker serves (at start, and after a replacement): whether all serve."""
+        serving = all(started.is_set() for started in self.started)
+        if serving and not announced:
+            log(f"all {len(self.processes)} worker(s) serving")
+        return serving
 
     def stop_workers(self) -> None:
         log(f"stopping: {len(self.processes)} worker(s) drain, for at most {self.grace:g} s")
