@@ -6,6 +6,7 @@ its reader needs stops the stage with one line naming it, rather than with pyarr
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -23,12 +24,41 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
+def temp_prefix(path: Path) -> str:
+    """`.<name>.<pid>.`: a temporary beside `path` names its writer, so that a later write of `path` can
+    tell one that a killed writer left (no `finally` runs under SIGKILL) from one still being written."""
+    return f".{path.name}.{os.getpid()}."
+
+
+def remove_abandoned(path: Path) -> None:
+    """Delete the temporaries beside `path` whose writer is gone: a killed write's half-copy of a model
+    folder would otherwise stay, hidden, for ever."""
+    for sibling in path.parent.glob(f".{glob.escape(path.name)}.*"):
+        writer = sibling.name[len(path.name) + 2:].split(".", 1)[0]
+        if writer.isdigit() and not process_alive(int(writer)):
+            if sibling.is_dir():
+                shutil.rmtree(sibling, ignore_errors=True)
+            else:
+                sibling.unlink(missing_ok=True)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path | str) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success rename it onto `path`, on failure delete it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    remove_abandoned(path)
+    handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path), suffix=".tmp")
     os.close(handle)
     temp = Path(temp_name)
     try:
@@ -44,7 +74,8 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
     """Yield an empty temporary folder beside `path`; on success swap it in for `path`, on failure delete it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    remove_abandoned(path)
+    temp = Path(tempfile.mkdtemp(dir=path.parent, prefix=temp_prefix(path)))
     try:
         yield temp
         os.chmod(temp, 0o777 & ~_UMASK)  # mkdtemp creates 0700

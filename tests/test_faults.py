@@ -25,6 +25,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from mtbert import io
 from mtbert.params_file import variant_params
 from mtbert.training import build
 from tests.commands import mtbert_in_process
@@ -211,6 +212,31 @@ def test_a_tokenized_split_without_a_column_names_it(tmp_path, tiny_tokenized):
     pq.write_table(pq.read_table(path).drop_columns(["input_ids_2"]), path)  # as another version might write it
     with pytest.raises(UnreadableInputError, match=r"qqp-dev.parquet: has no column 'input_ids_2' \(expected id, "):
         load_split(tmp_path / "tok", TASKS["qqp"], "dev")
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_write_removes_what_a_killed_writer_left_beside_it_and_keeps_a_live_ones(tmp_path):
+    """SIGKILL runs no `finally`: a killed `atomic_dir` leaves its half-written folder, hidden, beside the
+    output. The next write of that output removes it; a temporary of a writer still running stays."""
+    target = tmp_path / "model"
+    abandoned = tmp_path / f".model.{dead_pid()}.abcd1234"
+    (abandoned / "encoder").mkdir(parents=True)
+    (abandoned / "encoder" / "model.safetensors").write_bytes(b"half")
+    abandoned_file = tmp_path / f".model.{dead_pid()}.efgh5678.tmp"
+    abandoned_file.write_bytes(b"half")
+    live = tmp_path / f".model.{os.getpid()}.ijkl9012"
+    live.mkdir()
+    other_output = tmp_path / f".model-seed1.{dead_pid()}.mnop3456"  # another output's: not this write's
+    other_output.mkdir()
+    with io.atomic_dir(target) as temp:
+        (temp / "mtbert.json").write_text("{}")
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(["model", live.name, other_output.name])
 
 
 def test_a_cut_short_prediction_dump_is_one_line(tmp_path):

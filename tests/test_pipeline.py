@@ -20,16 +20,10 @@ import pytest
 import yaml
 
 from tests.commands import mtbert_in_process
-from tests.conftest import REPO_ROOT, make_params, synthetic_raw_files, write_raw_files
+from tests.conftest import REPO_ROOT, make_params, synthetic_raw_files
+from tests.repos import GIT, dvc, dvc_env, pipeline_repo
 
 pytestmark = pytest.mark.slow(reason="a real `dvc repro` and `dvc exp run` of the pipeline in a temporary repository")
-
-
-def dvc(repo: Path, *args: str) -> str:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    result = subprocess.run(["dvc", *args], cwd=repo, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, f"dvc {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
-    return result.stdout
 
 
 def readme_task_block() -> dict:
@@ -74,27 +68,20 @@ def fifth_task_files(rows: int) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, tiny_backbone, tiny_mpnet) -> Path:
-    repo = tmp_path_factory.mktemp("repo")
-    for code in ("stages", "mtbert"):  # the stage commands, and the library dvc.yaml lists as their deps
-        shutil.copytree(REPO_ROOT / code, repo / code, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO_ROOT / "dvc.yaml", repo / "dvc.yaml")
-    # predict as train evaluates (batch 8, fp32), so the model cards' dev metrics are predict's exactly
-    make_params(repo, tiny_backbone, Path("data/raw"), train={"epochs": 1},
-                extra={**NEW_TASKS, "predict": {"batch_size": 8, "bf16": False}, "export": {"models": ["distilled"]},
-                       "distill": {"enabled": True, "variant": "plain", "students": {"distilled": 0},
-                                   "transfer": {"rows": {"sst": 6, "qqp": 0, "sts": 6, "nli": 4}}}},
-                models={"plain": {}, "plain-seed1": {"train": {"seed": 1}},
-                        # a member of another encoder family, with its own tokenizer and pad id
-                        "meanpool": {"model": {"name": str(tiny_mpnet)}, "heads": {"sst": {"pooling": "mean"}},
-                                     "train": {"seed": 1}}})
-    write_raw_files(repo / "data" / "raw", {**synthetic_raw_files(16), **fourth_task_files(16), **fifth_task_files(16)})
-    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
-    dvc(repo, "init", "-q")
-    shutil.copytree(REPO_ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")  # the curves' chart template
-    dvc(repo, "config", "core.analytics", "false")
-    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
-    subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
-    subprocess.run([*git, "commit", "-qm", "pipeline"], cwd=repo, check=True)  # DVCLive needs a commit
+    def write_params(repo: Path) -> None:
+        # predict as train evaluates (batch 8, fp32), so the model cards' dev metrics are predict's exactly
+        make_params(repo, tiny_backbone, Path("data/raw"), train={"epochs": 1},
+                    extra={**NEW_TASKS, "predict": {"batch_size": 8, "bf16": False},
+                           "export": {"models": ["distilled"]},
+                           "distill": {"enabled": True, "variant": "plain", "students": {"distilled": 0},
+                                       "transfer": {"rows": {"sst": 6, "qqp": 0, "sts": 6, "nli": 4}}}},
+                    models={"plain": {}, "plain-seed1": {"train": {"seed": 1}},
+                            # a member of another encoder family, with its own tokenizer and pad id
+                            "meanpool": {"model": {"name": str(tiny_mpnet)}, "heads": {"sst": {"pooling": "mean"}},
+                                         "train": {"seed": 1}}})
+
+    raw_files = {**synthetic_raw_files(16), **fourth_task_files(16), **fifth_task_files(16)}
+    repo = pipeline_repo(tmp_path_factory.mktemp("repo"), raw_files, write_params)
     dvc(repo, "repro")
     return repo
 
@@ -264,8 +251,7 @@ def test_seed_statistics_group_the_seeds_and_compare_the_groups(repo):
 
 
 def test_plots_show_one_chart_of_curves_and_the_ensembles_plots_without_warnings(repo):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    result = subprocess.run(["dvc", "plots", "show", "--json"], cwd=repo, env=env, capture_output=True, text=True)
+    result = subprocess.run(["dvc", "plots", "show", "--json"], cwd=repo, env=dvc_env(), capture_output=True, text=True)
     assert result.returncode == 0 and "WARNING" not in result.stderr + result.stdout, result.stderr
     shown = json.loads(result.stdout)["data"]
     assert sorted(shown) == sorted(["metrics/curves.tsv", *(f"data/plots/ensemble/confusion/{t}.csv"
@@ -292,9 +278,8 @@ def test_the_plots_page_made_from_the_offline_template_loads_nothing_from_a_netw
 
 
 def test_queued_experiments_run_and_show_with_their_metrics(repo):
-    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
-    subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
-    subprocess.run([*git, "commit", "-qm", "lock"], cwd=repo, check=True)  # queued runs start from HEAD
+    subprocess.run([*GIT, "add", "-A"], cwd=repo, check=True)
+    subprocess.run([*GIT, "commit", "-qm", "lock"], cwd=repo, check=True)  # queued runs start from HEAD
     for name, members in (("one-member", 1), ("two-members", 2)):
         dvc(repo, "exp", "run", "--queue", "-n", name, "-S", "ensemble.method=greedy",
             "-S", f"ensemble.max_members={members}")  # max_members bounds greedy; uniform takes every candidate

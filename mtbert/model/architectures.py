@@ -23,6 +23,7 @@ from pathlib import Path
 
 from torch import nn
 
+from mtbert.model.backbone import save_tokenizer
 from mtbert.model.dropout import EAGER_ATTENTION
 from mtbert.model.families import family_of
 
@@ -154,7 +155,7 @@ class TaskEncoders(nn.Module):
         """save_pretrained folders: `encoder/` (with the tokenizer) and one per other encoder; shared
         modules are written in each folder that uses them, so every folder loads on its own."""
         self.shared.save_pretrained(directory / SHARED_DIR, safe_serialization=True)
-        tokenizer.save_pretrained(directory / SHARED_DIR)
+        save_tokenizer(tokenizer, directory / SHARED_DIR)
         for name, encoder in self.extra_encoders().items():
             encoder.save_pretrained(directory / name, safe_serialization=True)
 

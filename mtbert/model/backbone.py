@@ -65,6 +65,18 @@ def load_tokenizer(name: str, **kwargs):
         raise not_found_error(name, error) from error
 
 
+# How a tokenizer was loaded, not what it is: transformers records it in tokenizer_config.json, and
+# HF_HUB_OFFLINE=1 sets it, so a saved folder's bytes (and its hash in dvc.lock) would depend on the shell.
+LOADER_ONLY_KWARGS = ("local_files_only",)
+
+
+def save_tokenizer(tokenizer, folder: Path) -> None:
+    """`tokenizer.save_pretrained(folder)`, less the loader's options (LOADER_ONLY_KWARGS)."""
+    for key in LOADER_ONLY_KWARGS:
+        tokenizer.init_kwargs.pop(key, None)
+    tokenizer.save_pretrained(folder)
+
+
 def load_config(name: str, source: str | None = None):
     """The encoder config of `name` alone (no weights read); `source`: where `resolve_backbone` found it."""
     from transformers import AutoConfig

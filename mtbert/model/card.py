@@ -97,8 +97,9 @@ def variant_card(summary: dict, params: dict, tasks: dict[str, Task], path: str,
             f"bf16 {train['bf16']}; SMART λ {params['smart']['lambda']}"
             + (f"; the weights' moving average (decay {train['ema']}) is the model" if train.get("ema") else "")
             + ".\n"
-            f"- Training time: {summary['speed']['train_seconds']:.0f} s on {summary['speed']['processes']} "
-            "process(es); all params in `mtbert.json`.\n\n"
+            # no wall time here: the folder's bytes depend on its inputs alone (the metrics file has the time)
+            f"- Trained on {summary['speed']['processes']} process(es); its time and speed are in "
+            f"`metrics/train/{name}.json`, all params in `mtbert.json`.\n\n"
             "## Intended use\n\nSentiment (5 classes), paraphrase detection and semantic similarity of short "
             "English sentences, for research and teaching; not for decisions about people.\n\n"
             "## How to use\n\n" + usage(path, tasks) +

@@ -220,10 +220,9 @@ def set_aside(path: Path) -> Path:
 
 
 def remove_unfinished_writes(folder: Path) -> None:
-    """Temporary files of writes a kill interrupted (io.atomic_path names them `.last.pt.<random>.tmp`):
-    each may be as large as a checkpoint."""
-    for temp in folder.glob(f".{LAST}.*.tmp"):
-        temp.unlink(missing_ok=True)
+    """Temporary files of writes a kill interrupted, each as large as a checkpoint: removed when the run
+    starts, before its first write would (io.remove_abandoned)."""
+    io.remove_abandoned(folder / LAST)
 
 
 def typed(path: Path, state: Any, cls: type[State], progress_cls: type, fingerprint: str) -> State | None:

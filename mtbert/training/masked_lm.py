@@ -31,7 +31,7 @@ from mtbert.data.batches import TokenColumn, eval_batches, load_split, tokenized
 from mtbert.data.masking import IGNORE_INDEX, MaskingVocab, mask_tokens
 from mtbert.data.sampling import TaskStream
 from mtbert.data.tasks import tasks_from_params
-from mtbert.model.backbone import PROVENANCE_FILE, load_encoder, load_masked_lm, load_tokenizer
+from mtbert.model.backbone import PROVENANCE_FILE, load_encoder, load_masked_lm, load_tokenizer, save_tokenizer
 from mtbert.model.families import family_of
 from mtbert.params import Params, PretrainParams, as_dict
 from mtbert.rng import HELD_OUT_SENTENCES, generator
@@ -68,7 +68,7 @@ def pass_through(params: Params, paths: Paths) -> None:
 def save_encoder(encoder, tokenizer, out_dir: Path, provenance: dict) -> None:
     with io.atomic_dir(out_dir) as temp:
         encoder.save_pretrained(temp)
-        tokenizer.save_pretrained(temp)
+        save_tokenizer(tokenizer, temp)
         (temp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n", encoding="utf-8")
 
 

@@ -1,0 +1,155 @@
+"""Every stage killed (SIGKILL, its whole process group) at a random moment of its work, then `dvc repro`:
+the pipeline ends on the uninterrupted run's outputs, to their hashes in dvc.lock.
+
+A tiny pipeline (2-layer backbone, 16 rows per split, two members, masked-LM pretraining, a distilled
+student and both exports) runs once uninterrupted; that run's dvc.lock is the reference, and the time
+each stage took sets the range its kill moments are drawn from. Then, per stage, `dvc repro -f -s <stage>`
+is killed a moment after the stage starts, and run again (`-f`: a plain `dvc repro` would check the
+reference's outputs out of DVC's cache, and the stage's own atomic writes and resumption would go
+unexercised). That run starts from whatever the kill left (a checkpoint, a half-written folder or file,
+which the run must remove), and after it and a plain `dvc repro` (which runs again only what reads a
+timing measured anew) every output must be as the reference has it.
+
+The outputs that record time (each metrics file's `speed`, an export's `reason`, which quotes its
+measured speed-up) are compared without those keys; every other output to its hash. Training is fp32
+here, where a resumed run matches an uninterrupted one to the bit.
+
+MTBERT_KILLS (default 1) kills per stage; MTBERT_KILL_SEED (default 0) draws the moments. `make kills`
+runs many and prints what each kill hit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import make_params, synthetic_raw_files
+from tests.repos import dvc, dvc_env, pipeline_repo
+
+pytestmark = pytest.mark.slow(reason="a real `dvc repro` of the pipeline, then each stage killed and repeated")
+
+KILLS = int(os.environ.get("MTBERT_KILLS", "1"))
+SEED = int(os.environ.get("MTBERT_KILL_SEED", "0"))
+TIMING_KEYS = ("speed", "reason")  # what a re-run measures anew (see the module's docstring)
+
+
+def write_params(backbone: Path):
+    def write(repo: Path) -> None:
+        make_params(repo, backbone, Path("data/raw"), train={"epochs": 1},
+                    runtime={"checkpoint_every": {"train": 3, "pretrain": 2}},
+                    # int8 off: where it is on, the engine is chosen by a timing, which could differ between runs
+                    extra={"predict": {"batch_size": 8, "bf16": False},
+                           "export": {"models": ["distilled"], "int8": False},
+                           "pretrain": {"enabled": True, "steps": 6, "batch_size": 8, "eval_every": 3,
+                                        "eval_examples": 16, "max_length": 32},
+                           "distill": {"enabled": True, "variant": "plain", "students": {"distilled": 0}}},
+                    models={"plain": {}, "plain-seed1": {"train": {"seed": 1}}})
+    return write
+
+
+def timed_repro(repo: Path) -> dict[str, float]:
+    """`dvc repro`, uninterrupted: the seconds each stage ran, by stage, in the order they ran."""
+    process = subprocess.Popen(["dvc", "repro"], cwd=repo, env=dvc_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    starts, output = {}, []
+    for line in process.stdout:
+        output.append(line)
+        if line.startswith("Running stage '"):
+            starts[line.split("'")[1]] = time.monotonic()
+    assert process.wait() == 0, "".join(output)
+    ends = [*list(starts.values())[1:], time.monotonic()]
+    return {stage: end - start for (stage, start), end in zip(starts.items(), ends, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_backbone) -> tuple[Path, dict[str, float], dict]:
+    """The repository after an uninterrupted run, each stage's seconds, and what that run's outputs hold."""
+    repo = pipeline_repo(tmp_path_factory.mktemp("kills"), synthetic_raw_files(16), write_params(tiny_backbone))
+    seconds = timed_repro(repo)
+    return repo, seconds, outputs(repo)
+
+
+def outputs(repo: Path) -> dict[str, object]:
+    """Every output in dvc.lock: its hash, or for a JSON file, what it holds less TIMING_KEYS."""
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    return {out["path"]: comparable(repo / out["path"], out["md5"])
+            for stage in lock.values() for out in stage.get("outs", [])}
+
+
+def comparable(path: Path, md5: str):
+    return without_timings(json.loads(path.read_text())) if path.suffix == ".json" else md5
+
+
+def without_timings(held):
+    """`held` less TIMING_KEYS, at any depth (an ensemble's export gives each member's engine a reason)."""
+    if isinstance(held, dict):
+        return {key: without_timings(value) for key, value in held.items() if key not in TIMING_KEYS}
+    return [without_timings(value) for value in held] if isinstance(held, list) else held
+
+
+def temporaries(repo: Path) -> list[str]:
+    """The temporaries of atomic writes (`.<name>.<pid>.<random>`, mtbert/io.py) in the repository's
+    folders: a killed write leaves one, and the next write of that output must remove it."""
+    return sorted(str(path.relative_to(repo)) for folder in ("data", "models", "metrics", "exports", "checkpoints")
+                  for path in (repo / folder).rglob(".*") if re.fullmatch(r"\..+\.\d+\..+", path.name))
+
+
+def kill_at(repo: Path, stage: str, moment: float) -> str:
+    """`dvc repro -f -s stage`, SIGKILLed with every process it started `moment` s after the stage began:
+    "killed", or "finished" when it ended first."""
+    process = subprocess.Popen(["dvc", "repro", "-f", "-s", stage], cwd=repo, env=dvc_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    began = threading.Event()
+
+    def watch() -> None:
+        for line in process.stdout:
+            if line.startswith("Running stage"):
+                began.set()
+        began.set()  # ended without starting the stage: nothing to wait for
+
+    reader = threading.Thread(target=watch)
+    reader.start()
+    began.wait(timeout=300)
+    time.sleep(moment)
+    outcome = "killed" if process.poll() is None else "finished"
+    if outcome == "killed":
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    reader.join()
+    return outcome
+
+
+def killed_stages(seconds: dict[str, float]) -> list[str]:
+    """One stage of each kind (the first of each foreach group), in the order they run."""
+    kinds = {}
+    for stage in seconds:
+        kinds.setdefault(stage.split("@")[0], stage)
+    return list(kinds.values())
+
+
+def test_every_stage_killed_mid_work_is_rebuilt_by_repro_to_the_uninterrupted_outputs(reference):
+    repo, seconds, expected = reference
+    draw = random.Random(SEED)
+    hits = []
+    for stage in killed_stages(seconds):
+        for _ in range(KILLS):
+            moment = draw.uniform(0, seconds[stage])
+            outcome = kill_at(repo, stage, moment)
+            dvc(repo, "repro", "-f", "-s", stage)
+            dvc(repo, "repro")  # what reads a timing measured anew runs again: `stats` reads each training's
+            hits.append((stage, round(moment, 2), outcome))
+            assert outputs(repo) == expected, f"{stage}, killed at {moment:.2f} s ({outcome}), then run again"
+            assert not temporaries(repo), f"{stage}, killed at {moment:.2f} s ({outcome}), left {temporaries(repo)}"
+    print("\n".join(f"{stage}: {outcome} at {moment} s" for stage, moment, outcome in hits))
+    assert any(outcome == "killed" for _, _, outcome in hits)
