@@ -3,7 +3,7 @@
 # `make members`: on a GPU, every ensemble member's training at once (docs/distributed.md).
 # `make mpnet`: the optional all-mpnet-base-v2 backbone, offline (440 MB; docs/data.md#backbone-resolution).
 # `make fuzz`: the deep fuzz of the API and the readers (needs exports/ensemble: `make repro` first).
-# `make kills`: every stage of a tiny pipeline killed (SIGKILL) at 5 random moments, each followed by `dvc repro`.
+# `make kills`: every stage of a tiny pipeline killed (SIGKILL) at 3 random moments, each followed by a re-run.
 # Both create .venv on first use; later runs reuse it and reinstall only when pyproject.toml changes.
 PYTHON ?= python3
 VENV := .venv
@@ -44,8 +44,8 @@ fuzz: install  # the deep run: the API fuzzed from its OpenAPI document, then th
 	python -m bench.fuzz --model exports/ensemble --examples 500
 	HYPOTHESIS_PROFILE=deep pytest -n 0 tests/test_properties.py
 
-kills: install  # about 45 min on 2 cores; `make test` kills each stage once (tests/test_kills.py)
-	MTBERT_KILLS=5 MTBERT_KILL_SEED=$${MTBERT_KILL_SEED:-1} pytest -n 0 -s tests/test_kills.py
+kills: install  # about 35 min on 2 cores; `make test` kills each stage once (tests/test_kills.py)
+	MTBERT_KILLS=3 MTBERT_KILL_SEED=$${MTBERT_KILL_SEED:-1} pytest -n 0 -s tests/test_kills.py
 
 plots: install  # `dvc plots show`'s page (dvc_plots/index.html), with Vega inline: it renders offline
 	python -m mtbert.offline_plots .dvc/tmp/plots-offline.html

@@ -146,10 +146,12 @@ def test_every_stage_killed_mid_work_is_rebuilt_by_repro_to_the_uninterrupted_ou
         for _ in range(KILLS):
             moment = draw.uniform(0, seconds[stage])
             outcome = kill_at(repo, stage, moment)
+            left = temporaries(repo)
             dvc(repo, "repro", "-f", "-s", stage)
             dvc(repo, "repro")  # what reads a timing measured anew runs again: `stats` reads each training's
-            hits.append((stage, round(moment, 2), outcome))
+            hits.append((stage, round(moment, 2), outcome, left))
             assert outputs(repo) == expected, f"{stage}, killed at {moment:.2f} s ({outcome}), then run again"
             assert not temporaries(repo), f"{stage}, killed at {moment:.2f} s ({outcome}), left {temporaries(repo)}"
-    print("\n".join(f"{stage}: {outcome} at {moment} s" for stage, moment, outcome in hits))
-    assert any(outcome == "killed" for _, _, outcome in hits)
+    print("\n".join(f"{stage}: {outcome} at {moment} s, leaving {left or 'no temporary'}"
+                    for stage, moment, outcome, left in hits))
+    assert any(outcome == "killed" for _, _, outcome, _ in hits)

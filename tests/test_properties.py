@@ -60,15 +60,45 @@ CELL = st.one_of(
     st.text(max_size=6))
 
 
+# a text that shows (letters, digits, punctuation, inner spaces and non-ASCII letters), with no tab or newline
+VISIBLE_TEXT = st.text(st.characters(categories=("L", "N", "P", "S", "Zs"), exclude_characters="\t\n\r"),
+                       min_size=1, max_size=20).filter(lambda text: has_visible_text(text.strip()))
+
+
+def good_label(task):
+    low, high, integer = task.kind.label_domain()
+    if integer:
+        return st.integers(int(low), int(high)).map(str)
+    return st.floats(low, high, allow_nan=False).map(lambda value: f"{value:.3g}")
+
+
+@st.composite
+def good_rows(draw, task, header: list[str]) -> list[list[str]]:
+    """Rows every reader must keep: unique ids, texts that show, labels in the task's domain."""
+    count = draw(st.integers(1, 8))
+    cells = {"id": [f"row-{i}" for i in range(count)], task.label_column: [draw(good_label(task))
+                                                                       for _ in range(count)]}
+    for column in task.text_columns:
+        cells[column] = [draw(VISIBLE_TEXT) for _ in range(count)]
+    return [[cells[column][i] for column in header] for i in range(count)]
+
+
 @st.composite
 def raw_files(draw):
     """A task's split as a user might leave it: the expected header (perhaps reordered, a column missing or
     extra), rows of awkward cells (quotes, tabs, newlines, invisible characters, any label), written with or
-    without quoting, now and then with bytes that are not UTF-8."""
+    without quoting, now and then with bytes that are not UTF-8. One in three is well formed instead (any
+    column order, quoted, any visible text): then every row must be kept, so a reader that refused good
+    rows fails too. Returns the task, the split, the bytes and, for a well-formed file, its ids."""
     task = TASKS[draw(st.sampled_from(sorted(TASKS)))]
     split = draw(st.sampled_from(["train", "dev", "test"]))
     header = ["id", *task.text_columns, *([task.label_column] if split != "test" else [])]
     header = draw(st.permutations(header))
+    if draw(st.integers(0, 2)) == 0:
+        rows = draw(good_rows(task, header))
+        buffer = io.StringIO()
+        csv.writer(buffer, delimiter="\t", lineterminator="\n").writerows([header, *rows])
+        return task, split, buffer.getvalue().encode("utf-8"), [row[header.index("id")] for row in rows]
     change = draw(st.sampled_from(["none", "none", "none", "drop", "extra", "label_in_test"]))
     if change == "drop":
         header = header[1:]
@@ -86,21 +116,24 @@ def raw_files(draw):
     if draw(st.integers(0, 9)) == 0:
         cut = draw(st.integers(0, len(data)))
         data = data[:cut] + b"\xff" + data[cut:]
-    return task, split, data
+    return task, split, data, None
 
 
 @given(raw=raw_files())
 @settings(max_examples=examples(150))
 def test_a_raw_file_is_read_whole_or_refused_in_one_line(tmp_path, raw):
-    task, split, data = raw
+    task, split, data, good_ids = raw
     path = tmp_path / f"{task.name}-{split}.csv"
     path.write_bytes(data)
     try:
         parsed = read_split(path, task, split)
     except RawDataError as error:
+        assert good_ids is None, f"a well-formed file was refused: {error}"
         one_line(error, str(path))
         event("refused in one line")
         return
+    if good_ids is not None:
+        assert list(parsed.kept["id"]) == good_ids and not len(parsed.rejects), parsed.rejects
     event("read, with rejected rows" if len(parsed.rejects) else "read, every row kept")
     assert len(parsed.kept) + len(parsed.rejects) == parsed.rows_read  # no row lost
     assert set(parsed.rejects["reason"]) <= set(REJECT_REASONS)
@@ -172,9 +205,22 @@ INPUT_CELL = st.one_of(GOOD_TEXT, GOOD_TEXT,
 
 
 @st.composite
+def good_input_file(draw) -> tuple[bytes, list[str]]:
+    """An --input file every row of which must be predicted: TSV or JSON lines of texts that show."""
+    texts = draw(st.lists(VISIBLE_TEXT.map(str.strip).filter(lambda text: '"' not in text), min_size=1, max_size=5))
+    if draw(st.booleans()):
+        text = "\n".join(["sentence", *texts]) + "\n"
+    else:
+        text = "\n".join(json.dumps({"sentence": sentence}) for sentence in texts)
+    return text.encode("utf-8"), texts
+
+
+@st.composite
 def input_files(draw):
     """An --input file: TSV (a header, rows of cells) or JSON lines (objects, maybe with missing, null or
-    non-string values), sometimes not UTF-8."""
+    non-string values), sometimes not UTF-8. One in three is well formed instead: its texts come back too."""
+    if draw(st.integers(0, 2)) == 0:
+        return draw(good_input_file())
     if draw(st.booleans()):
         header = draw(st.sampled_from([["sentence"], ["id", "sentence"], ["text"], ["sentence", "extra"]]))
         rows = draw(st.lists(st.lists(INPUT_CELL, min_size=len(header) - 1, max_size=len(header) + 1), max_size=5))
@@ -188,7 +234,7 @@ def input_files(draw):
     data = text.encode("utf-8", "surrogatepass")
     if draw(st.integers(0, 9)) == 0:
         data = b"\xfe" + data
-    return data
+    return data, None
 
 
 @pytest.fixture(scope="module")
@@ -200,19 +246,23 @@ def export_predictor(deployed):
 
 
 @pytest.mark.slow(reason="the small export's predictor on every example")
-@given(data=input_files(), skip=st.booleans())
+@given(file=input_files(), skip=st.booleans())
 @settings(max_examples=examples(120))
-def test_a_predict_input_file_is_predicted_or_refused_in_one_line(tmp_path, monkeypatch, export_predictor, data,
+def test_a_predict_input_file_is_predicted_or_refused_in_one_line(tmp_path, monkeypatch, export_predictor, file,
                                                                   skip):
     from typer.testing import CliRunner
 
     from mtbert import cli, predictors
 
+    data, good_texts = file
     monkeypatch.setattr(predictors, "load_predictor", lambda **options: export_predictor)  # loaded once
     path = tmp_path / "input.tsv"
     path.write_bytes(data)
     result = CliRunner().invoke(cli.app, ["predict", "--model", "unused", "--task", "sst", "--input", str(path),
                                           *(["--skip-bad-rows"] if skip else [])])
+    if good_texts is not None:  # well formed: every row predicted, in order
+        assert result.exit_code == 0 and result.exception is None, (result.output, result.exception)
+        assert [json.loads(line)["sentence"] for line in result.stdout.splitlines()] == good_texts
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         assert isinstance(result.exception, UserError), repr(result.exception)
         one_line(result.exception, str(path))
