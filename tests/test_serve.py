@@ -287,9 +287,10 @@ def test_ready_is_503_while_draining_a_request_and_the_grace_period_ends_in_a_50
     finally:
         if process.poll() is None:
             stop_server(process)
-    # the request and the 503 at least; a /ready begun before the signal may be answered (200) after it
+    # the request and the 503 at least. No upper bound: a request answered just before the signal (a /ready
+    # or /health poll above) can be counted, when its bookkeeping runs after the drain began.
     drained = re.search(r"drained: (\d+) request\(s\) answered", log.read_text())
-    assert drained and 2 <= int(drained[1]) <= 1 + len(answers), log.read_text()
+    assert drained and int(drained[1]) >= 2, log.read_text()
 
 
 def counted(url: str) -> dict[tuple[str, str], float]:
