@@ -177,7 +177,7 @@ def load_checkpoint(folder: Path, cls: type[State], progress_cls: type, fingerpr
 def newest_whole(folder: Path) -> tuple[Path, dict] | None:
     """`last.pt`, else `previous.pt`, with its state: the first that reads back whole. One that does not is
     set aside, with a line saying so."""
-    remove_unfinished_writes(folder)
+    io.remove_abandoned(folder / LAST)  # a killed write's temporary, as large as a checkpoint
     candidates = [folder / name for name in (LAST, PREVIOUS) if (folder / name).is_file()]
     for index, path in enumerate(candidates):
         try:
@@ -219,12 +219,6 @@ def set_aside(path: Path) -> Path:
     return aside
 
 
-def remove_unfinished_writes(folder: Path) -> None:
-    """Temporary files of writes a kill interrupted, each as large as a checkpoint: removed when the run
-    starts, before its first write would (io.remove_abandoned)."""
-    io.remove_abandoned(folder / LAST)
-
-
 def typed(path: Path, state: Any, cls: type[State], progress_cls: type, fingerprint: str) -> State | None:
     """The state as `cls` if this run wrote it; None (with a warning) if another run or mtbert did."""
     if not isinstance(state, dict) or state.get("fingerprint") != fingerprint:
@@ -253,7 +247,7 @@ def discard_checkpoints(folder: Path) -> None:
     `previous.pt` always belongs to the same run as `last.pt`. Set-aside files stay."""
     for name in (LAST, PREVIOUS):
         (Path(folder) / name).unlink(missing_ok=True)
-    remove_unfinished_writes(Path(folder))
+    io.remove_abandoned(Path(folder) / LAST)
 
 
 def remove_checkpoint_folder(folder: Path) -> None:
