@@ -206,12 +206,12 @@ class ExportedEnsemble(MemberEnsemble):
         members = list(dict.fromkeys(self.order(task_name)))
         task = self.predictors[members[0]].task(task_name)  # the task's checks and cleaning are every member's
         rows = [tuple(clean(text, task.replacements) for text in row) for row in check_texts(task, texts)]
-        encoded: dict[tuple, dict] = {}
-        for name in members:
-            reads = self.reads(name, task_name)
-            if reads not in encoded:
-                encoded[reads] = encode(self.predictors[name].tokenizer, reads[1], rows)
-        return self.values_of_tokens(task_name, {name: encoded[self.reads(name, task_name)] for name in members})
+        reads = {name: self.reads(name, task_name) for name in members}
+        encoded: dict[tuple, dict] = {}  # each tokenizer and encoding once, however many members share it
+        for name, read in reads.items():
+            if read not in encoded:
+                encoded[read] = encode(self.predictors[name].tokenizer, read[1], rows)
+        return self.values_of_tokens(task_name, {name: encoded[read] for name, read in reads.items()})
 
     def reads(self, name: str, task_name: str) -> tuple:
         """What a member reads of a task's text: its tokenizer and its encoding."""
