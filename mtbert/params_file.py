@@ -11,8 +11,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
+from ruamel.yaml import YAML, YAMLError
 
 from mtbert.params import DistillParams, Params, ParamsError, Section
 from mtbert.per_task import NAME
@@ -23,15 +23,17 @@ DEFAULT_PARAMS_FILE = Path("params.yaml")
 
 def load_params(path: Path | str = DEFAULT_PARAMS_FILE) -> Params:
     """Read and validate params.yaml; raise ParamsError naming the first bad key."""
-    return parse_params(_read_yaml(Path(path)), source=str(path))
+    return parse_params(read_yaml(Path(path)), source=str(path))
 
 
-def _read_yaml(path: Path) -> Any:
+def read_yaml(path: Path) -> Any:
+    """params.yaml's content as DVC reads it: YAML 1.2 (ruamel.yaml, DVC's own parser). PyYAML reads YAML 1.1,
+    in which `5e-05`, the way `dvc exp run -S train.lr=5e-5` writes a number, is a string."""
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        return YAML(typ="safe").load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ParamsError(f"{path}: file not found (run from the repository root)") from None
-    except yaml.YAMLError as error:
+    except YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(error, "problem", None) or str(error)
@@ -74,14 +76,14 @@ def variant_params(raw_or_path: Any, variant: str) -> Params:
     """The params of one named variant: its overrides deep-merged over the shared sections."""
     raw, source = raw_or_path, "params"
     if isinstance(raw_or_path, (str, Path)):
-        raw, source = _read_yaml(Path(raw_or_path)), str(raw_or_path)
+        raw, source = read_yaml(Path(raw_or_path)), str(raw_or_path)
     parse_params(raw, source=source)
     return parse_section(Params, merged_variant(raw, variant), f"models.{variant}", source=source)
 
 
 def student_params(params_file: Path | str, student: str) -> Params:
     """The params of one distilled student: distill.variant's with the student's seed (distill.students)."""
-    raw = _read_yaml(Path(params_file))
+    raw = read_yaml(Path(params_file))
     distill = parse_params(raw, source=str(params_file)).distill
     require_student(distill, student, params_file)
     merged = deep_merge(merged_variant(raw, distill.variant), {"train": {"seed": distill.students[student]}})

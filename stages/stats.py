@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import typer
-import yaml
 
 from mtbert import io, layout
 from mtbert.data.batches import load_split
@@ -30,7 +29,7 @@ from mtbert.evaluation.predictions import read_aligned
 from mtbert.evaluation.report import curve_rows, curves_table
 from mtbert.evaluation.seeds import compare_groups, group_statistics, seed_groups, spread
 from mtbert.params import Params
-from mtbert.params_file import load_params, variant_params
+from mtbert.params_file import load_params, read_yaml, variant_params
 from mtbert.runtime import MissingInputError, run_app, setup_logging
 
 log = logging.getLogger("stats")
@@ -50,7 +49,7 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
     setup_logging()
     params = load_params(params_file)
     tasks = tasks_from_params(params.tasks)
-    groups = seed_groups(yaml.safe_load(params_file.read_text(encoding="utf-8")))
+    groups = seed_groups(read_yaml(params_file))
     students = student_groups(params)
     folders = {variant: predictions_dir / variant for variants in groups.values() for variant in variants}
     folders.update({student: distilled_dir / student for group in students.values() for student in group})

@@ -48,3 +48,38 @@ def test_every_knob_of_params_yaml_is_described_in_the_reference():
     missing = [key for key in keys(raw, "") if key not in described]
     assert not missing, f"params.yaml keys without a row in docs/params.md: {missing}"
     assert "| `tasks.<task>.kind` |" in text and "| `heads.<task>.pooling` |" in text
+
+
+def documented_set_params() -> list[tuple[str, list[str]]]:
+    """Every `dvc exp run` command in the README's and topic pages' shell blocks: (where, its -S values)."""
+    import shlex
+
+    pages = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    commands = []
+    for page in pages:
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                if words[:3] == ["dvc", "exp", "run"]:
+                    values = [value for flag, value in zip(words, words[1:], strict=False)
+                              if flag in ("-S", "--set-param")]
+                    commands.append((f"{page.name}: {line.strip()}", values))
+    return commands
+
+
+def test_every_documented_experiment_gives_valid_params(tmp_path):
+    """Each documented `dvc exp run -S …`, applied to params.yaml by DVC's own code (what `dvc exp run` does
+    first), gives params every stage accepts: a renamed knob fails here, not in a user's terminal."""
+    from dvc.utils.hydra import apply_overrides
+
+    from mtbert.params_file import load_params, variant_params
+
+    commands = documented_set_params()
+    assert any("+models.mpnet" in value for _, values in commands for value in values)  # the MPNet member
+    for where, values in commands:
+        params_file = tmp_path / "params.yaml"
+        params_file.write_bytes((REPO_ROOT / "params.yaml").read_bytes())
+        apply_overrides(params_file, values)
+        for variant in load_params(params_file).models:
+            variant_params(params_file, variant)  # raises, naming the key, where a value is refused
+        assert values == [] or params_file.read_bytes() != (REPO_ROOT / "params.yaml").read_bytes(), where

@@ -226,6 +226,21 @@ def test_a_yaml_syntax_error_is_one_line_naming_the_file_line_and_column(tmp_pat
         assert "\n" not in str(error.value)
 
 
+def test_numbers_as_dvc_writes_them_are_numbers_and_a_key_given_twice_is_refused(tmp_path):
+    """params.yaml is read as DVC reads it (YAML 1.2): `dvc exp run -S train.lr=5e-5` writes `lr: 5e-05`,
+    which YAML 1.1 reads as a string. A key given twice names its line rather than keeping one of the two."""
+    from dvc.utils.hydra import apply_overrides
+
+    path = tmp_path / "params.yaml"
+    path.write_bytes((REPO_ROOT / "params.yaml").read_bytes())
+    apply_overrides(path, ["train.lr=5e-5", "+models.slow={train: {lr: 2e-5}}"])
+    assert "lr: 5e-05" in path.read_text()  # DVC's own writing, which YAML 1.1 types as a string
+    assert load_params(path).train.lr == 5e-5 and variant_params(path, "slow").train.lr == 2e-5
+    path.write_text("train:\n  lr: 1.0e-4\n  lr: 2.0e-4\n")
+    with pytest.raises(ParamsError, match=f"^{path}: not valid YAML at line 3, column 3: found duplicate key"):
+        load_params(path)
+
+
 def test_variant_overrides_deep_merge_over_the_shared_sections(raw_params):
     raw_params["models"] = {"base": {}, "mean": {"heads": {"sst": {"pooling": "mean"}}, "train": {"seed": 7}}}
     base, mean = variant_params(raw_params, "base"), variant_params(raw_params, "mean")

@@ -24,7 +24,7 @@ import yaml
 
 from bench.common import alternate_blocks, cpu_name, scratch_run, timed_steps
 from mtbert import io
-from mtbert.params_file import variant_params
+from mtbert.params_file import read_yaml, variant_params
 from mtbert.runtime import setup_logging
 from mtbert.training.build import schedule
 
@@ -33,7 +33,7 @@ app = typer.Typer(add_completion=False)
 
 def tokenize_for(other: str, params_file: Path, scratch: Path) -> Path:
     """The tasks tokenized by `other`'s tokenizer, by the `tokenize` stage, under `scratch`."""
-    params = yaml.safe_load(params_file.read_text())
+    params = read_yaml(params_file)
     params["model"]["name"] = other
     changed = scratch / "params.yaml"
     changed.write_text(yaml.safe_dump(params, sort_keys=False))

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import torch
 import typer
-import yaml
 
 from bench.common import cpu_name, scratch_run
 from mtbert import io
-from mtbert.params_file import variant_params
+from mtbert.params_file import read_yaml, variant_params
 from mtbert.runtime import setup_logging
 from mtbert.training.build import schedule
 from mtbert.training.step import step
@@ -69,7 +68,7 @@ def main(steps: int = typer.Option(30), variant: str = typer.Option("base"),
          tokenized_dir: Path = typer.Option(Path("data/tokenized/base")),
          json_out: Path = typer.Option(None, help="also write the hashes here")) -> None:
     setup_logging()
-    raw = yaml.safe_load(params_file.read_text())
+    raw = read_yaml(params_file)
     result = {"cpu": cpu_name(), "steps": steps}
     for name, changes in CHANGES.items():
         result[name] = hashes_after(variant_params(changed(raw, changes), variant), variant, tokenized_dir, steps)
