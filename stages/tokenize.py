@@ -36,9 +36,16 @@ def main(variant: str | None = typer.Option(None, "--variant", help="a key of `m
          metrics_file: Path | None = typer.Option(None, help="data statistics [default: metrics/data/<variant>.json]"),
          ) -> None:
     setup_logging()
-    if variant is None and out_dir is None:
-        layout.run_every_variant("stages.tokenize", params_file, load_params(params_file).models)
+    if variant is None and out_dir is None:  # by hand, or a runner without DVC: every variant's folder
+        for name in load_params(params_file).models:
+            tokenize(params_file, name, None, None, None)
         return
+    tokenize(params_file, variant, out_dir, rejects_file, metrics_file)
+
+
+def tokenize(params_file: Path, variant: str | None, out_dir: Path | None, rejects_file: Path | None,
+             metrics_file: Path | None) -> None:
+    """One variant's tokenized folder (or, with no variant, the shared sections' in `out_dir`)."""
     params = variant_params(params_file, variant) if variant else load_params(params_file)
     out_dir = layout.tokenized_of(variant, out_dir)
     rejects_file = layout.rejects_of(out_dir, rejects_file)

@@ -92,6 +92,7 @@ def test_the_mpnet_recipe_gives_valid_params_and_a_registry_entry_per_new_member
 
     from mtbert.params_file import load_params, read_yaml, variant_params
     from mtbert.variants import deep_merge
+    from tests.test_dvc_yaml import assert_model_entry
 
     page = (REPO_ROOT / "docs" / "distributed.md").read_text(encoding="utf-8")
     section = page.split("## The MPNet recipe", 1)[1].split("\n## ", 1)[0]
@@ -107,4 +108,4 @@ def test_the_mpnet_recipe_gives_valid_params_and_a_registry_entry_per_new_member
     artifacts = yaml.safe_load(artifacts_block)
     assert set(artifacts) == new_members
     for name, entry in artifacts.items():
-        assert entry["path"] == f"models/{name}" and entry["type"] == "model" and "mtbert" in entry["labels"]
+        assert_model_entry(name, entry)

@@ -61,6 +61,11 @@ def test_every_default_variant_student_and_the_ensemble_are_registered_models():
     assert set(artifacts) == {*variants, *students, "ensemble"}
     outs = {out if isinstance(out, str) else next(iter(out)) for out in dvc_yaml["stages"]["export_ensemble"]["outs"]}
     assert artifacts["ensemble"]["path"] in outs  # the deployable ensemble
-    for name in [*variants, *students]:  # train@<name> and distill@<name> write models/<name>
-        assert artifacts[name] == {**artifacts[name], "path": f"models/{name}", "type": "model"}
-        assert artifacts[name]["desc"] and "mtbert" in artifacts[name]["labels"]
+    for name in [*variants, *students]:
+        assert_model_entry(name, artifacts[name])
+
+
+def assert_model_entry(name: str, entry: dict) -> None:
+    """A variant's or a student's registry entry: train@<name> and distill@<name> write models/<name>."""
+    assert entry == {**entry, "path": f"models/{name}", "type": "model"}
+    assert entry["desc"] and "mtbert" in entry["labels"]

@@ -307,14 +307,10 @@ def test_a_signal_to_the_process_group_is_one_drain_that_keeps_its_grace(deploye
     assert text.count("SIGTERM: draining") == 2 and "grace period ended" not in text, text
 
 
-def never_starts(sock, started) -> None:
-    """A worker that fails before it serves (a spawned process imports this module to run it)."""
-    sys.exit(1)
-
-
 def test_workers_that_fail_to_start_stop_the_server_in_one_line(tmp_path):
     from bench.common import free_port
     from mtbert.deploy.supervisor import WorkersFailedToStart, supervise
+    from tests.spawned import never_starts
 
     with pytest.raises(WorkersFailedToStart, match=r"^3 workers in a row stopped before they could serve \(the "
                                                    r"last with exit status 1; its error is above\); stopping"):

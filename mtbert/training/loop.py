@@ -1,6 +1,6 @@
 """What both training loops (fine-tuning and masked-LM) share: their paths, the training clock, the run's
-fingerprint, writing and resuming its checkpoint, the optimiser step, the non-finite-loss guard, the
-finish and the speed record.
+fingerprint, writing and resuming its checkpoint, the non-finite-loss guard, the finish and the speed
+record.
 
 Both runs (training/build.py's `FineTuning`, masked_lm.py's `MaskedLM`) carry the fields these read:
 `paths`, `fingerprint`, `ranks`, `model`, `optimizer`, `scheduler` and `stopwatch`."""
@@ -117,16 +117,6 @@ def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float) -> None:
-    """The gradients (already averaged over the ranks) clipped to a global norm (0: not clipped), the optimiser's
-    and the LR schedule's step, and the gradients freed."""
-    if grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
 class FiniteWatch:
     """Non-finite losses, caught without making the step wait for the device: each piece's loss is kept (a
     0-dim tensor on the device) and `check` reads them all in one transfer. The loop checks every
@@ -149,13 +139,6 @@ class FiniteWatch:
             if not ok:
                 raise TrainingError(f"non-finite {what} ({loss.item()}) {where}; the last good checkpoint is kept "
                                     f"in {self.checkpoints}. {self.hint}")
-
-
-def check_finite(loss: torch.Tensor, what: str, where: str, checkpoints: Path, hint: str) -> None:
-    """Stop on a non-finite loss, keeping the last good checkpoint."""
-    if not torch.isfinite(loss):
-        raise TrainingError(f"non-finite {what} ({loss.item()}) {where}; the last good checkpoint is kept "
-                            f"in {checkpoints}. {hint}")
 
 
 def speed(seconds: float, ranks: Ranks, bf16: bool, steps: int, examples: int | None, tokens: int) -> dict:

@@ -41,8 +41,7 @@ from mtbert.training.distributed import Ranks, average_gradients, average_tensor
 from mtbert.training.loop import (
     Paths,
     Stopwatch,
-    check_finite,
-    clip_and_step,
+    TrainingError,
     fingerprint,
     finish,
     load_latest,
@@ -275,6 +274,23 @@ def train_step(run: MaskedLM, progress: Progress) -> None:
     progress.totals.loss_sum += loss.item()
     progress.totals.batches += 1
     progress.totals.tokens += int(mask.sum())
+
+
+def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float) -> None:
+    """The gradients (already averaged over the ranks) clipped to a global norm (0: not clipped), the optimiser's
+    and the LR schedule's step, and the gradients freed."""
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def check_finite(loss: torch.Tensor, what: str, where: str, checkpoints: Path, hint: str) -> None:
+    """Stop on a non-finite loss, keeping the last good checkpoint."""
+    if not torch.isfinite(loss):
+        raise TrainingError(f"non-finite {what} ({loss.item()}) {where}; the last good checkpoint is kept "
+                            f"in {checkpoints}. {hint}")
 
 
 def masked_loss(run: MaskedLM, corrupted: torch.Tensor, mask: torch.Tensor,

@@ -8,9 +8,10 @@ of the sampler's schedule.
 
 `compute` is the step's device work, the same function on every path: `run.compute` is `compute` itself, or
 on a GPU (runtime.capture.cuda) `compute` recorded once per batch shape as a CUDA graph and replayed
-(training/capture.py, which holds no step logic of its own). The step's one branch is `ends_update`: an
-update every train.grad_accum steps and at the epoch's last step (by default every step). What else a
-run's params change in the step are objects chosen once, by training/build.py's `prepare`, not branches:
+(training/capture.py, which holds no step logic of its own). The step has two branches, both taken by
+default: `ends_update` (an update every train.grad_accum steps and at the epoch's last step; by default
+every step) and the clipping (train.grad_clip > 0). What else a run's params change in the step are
+objects chosen once, by training/build.py's `prepare`, not branches:
 - `run.objective`: the task loss (training/losses.py's `Objective`), or with smart.lambda / smart.mu the
   loss plus SMART's and the Bregman teacher's terms (training/smart.py's `Regularised`);
 - `run.gradients`: how the pieces' and tasks' gradients combine into `.grad`: `Summed` (below, the
