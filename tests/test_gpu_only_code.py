@@ -47,10 +47,15 @@ def project_callee(namespace: dict, func: ast.expr, local: set[str]):
     return None
 
 
+def parsed(path: str) -> tuple[ast.Module, dict]:
+    """The file's syntax tree, and its module's namespace (importing it, as collection does, runs nothing)."""
+    return ast.parse((REPO_ROOT / path).read_text(encoding="utf-8")), vars(importlib.import_module(GPU_ONLY[path]))
+
+
 def project_calls(path: str) -> Iterator[tuple[int, object, ast.Call]]:
     """(line, callee, call) for every call in the file to a project function or class."""
-    tree = ast.parse((REPO_ROOT / path).read_text(encoding="utf-8"))
-    namespace, local = vars(importlib.import_module(GPU_ONLY[path])), local_names(tree)
+    tree, namespace = parsed(path)
+    local = local_names(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and (callee := project_callee(namespace, node.func, local)) is not None:
             yield node.lineno, callee, node
@@ -82,8 +87,7 @@ def test_every_call_of_the_gpu_only_code_fits_its_callees_signature(path):
 def stand_ins(path: str) -> Iterator[tuple[int, object, ast.FunctionDef]]:
     """(line, the replaced function, the stand-in's definition) for each `monkeypatch.setattr(module, "name",
     f)` whose `f` is a function defined in the same test."""
-    tree = ast.parse((REPO_ROOT / path).read_text(encoding="utf-8"))
-    namespace = vars(importlib.import_module(GPU_ONLY[path]))
+    tree, namespace = parsed(path)
     for test in (node for node in tree.body if isinstance(node, ast.FunctionDef)):
         nested = {node.name: node for node in ast.walk(test) if isinstance(node, ast.FunctionDef) and node is not test}
         for call in (node for node in ast.walk(test) if isinstance(node, ast.Call)):
