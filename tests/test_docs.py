@@ -109,3 +109,15 @@ def test_the_mpnet_recipe_gives_valid_params_and_a_registry_entry_per_new_member
     assert set(artifacts) == new_members
     for name, entry in artifacts.items():
         assert_model_entry(name, entry)
+
+
+def test_the_serving_page_lists_the_statuses_the_openapi_document_lists():
+    from mtbert.deploy.schema import ERRORS, RETRY_AFTER_STATUSES
+
+    text = (REPO_ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| (\d{3}(?:, \d{3})*)( \+ `Retry-After`)? \|", text, flags=re.M)
+    documented = {int(status) for statuses, _ in rows for status in statuses.split(", ")}
+    # 499 is how /metrics counts a client that hung up, never an answer; 405 is Starlette's, for any route
+    assert documented == set(ERRORS) - {499} | {405}, "docs/serving.md's status table and schema.ERRORS differ"
+    with_retry = {int(statuses) for statuses, retry in rows if retry}
+    assert with_retry == set(RETRY_AFTER_STATUSES)

@@ -11,19 +11,9 @@
 
 The results are `mtbert predict`'s (the same engine: mtbert/predictors.py), computed in shared
 batches (mtbert/deploy/batcher.py). Every refusal is a status and `{"error": "<one line>"}` naming the
-limit or row at fault, never the server's internals:
-- 400 a body that is not JSON; 404 an unknown task or path; 405 a wrong method;
-- 401 a missing or wrong bearer token (`--api-key`);
-- 408 a body not received within `--read-timeout`;
-- 413 a body over `max_body_bytes` (refused before it is read whole), over `max_texts` texts or a text
-  over `max_chars` characters;
-- 422 a body of the wrong shape, an empty text, a pair with a side missing, or a text the tokenizer cannot
-  take (not valid Unicode);
-- 429 with `Retry-After`: the server is full (`--max-concurrent-requests`, `--max-queued-texts`, the engine's
-  measured speed: mtbert/deploy/batcher.py);
-- 500 the engine failed on this request (run alone, after its batch failed), or a bug: the log has the
-  details under the request's id;
-- 503 with `Retry-After`: not answered within `--request-timeout`, or the grace period of a shutdown ended.
+limit or row at fault, never the server's internals. What each status means is written once, in
+mtbert/deploy/schema.py's `ERRORS` (the OpenAPI document's responses); docs/serving.md's table gives it to
+users with the options' defaults, and a test holds the two to the same statuses.
 What surrounds each request (request ids, the token, admission, deadlines, counting, access logs) is
 mtbert/deploy/middleware.py.
 """

@@ -28,11 +28,12 @@ ERRORS = {  # status -> what it means, as the server answers it
     500: "the engine failed on this request; the log has the details under its request id",
     503: "not answered within `--request-timeout`, or the server is shutting down",
 }
+RETRY_AFTER_STATUSES = (429, 503)  # the answers that say when to send the request again
 
 
 def error(status: int) -> dict:
     response = {"description": ERRORS[status], "content": {"application/json": {"schema": ERROR_BODY}}}
-    if status in (429, 503):
+    if status in RETRY_AFTER_STATUSES:
         response["headers"] = RETRY_AFTER
     return response
 
