@@ -120,6 +120,22 @@ def synthetic_raw_files(rows: int) -> dict[str, str]:
     return files
 
 
+def module_folder(request: pytest.FixtureRequest, tmp_path_factory, name: str) -> Path:
+    """A new folder for a module-scoped fixture, removed when the module's tests end with none failed.
+
+    The retention policy (pyproject.toml) removes a fixture's folder only when the session ends, so every
+    module's repository and models would otherwise be on disk at once (over 10 GB)."""
+    folder = tmp_path_factory.mktemp(name)
+    failed_before = request.session.testsfailed
+
+    def remove_unless_a_test_failed() -> None:
+        if request.session.testsfailed == failed_before:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    request.addfinalizer(remove_unless_a_test_failed)
+    return folder
+
+
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], T]) -> T:
     """`build(folder)`'s result, built by one process of the session: under pytest-xdist the first worker to
     ask builds it in a folder every worker sees while the others wait, then each reads its pickled result.

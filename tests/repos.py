@@ -3,8 +3,10 @@ the real `dvc repro`."""
 
 from __future__ import annotations
 
+import configparser
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +27,13 @@ def dvc(repo: Path, *args: str) -> str:
     return result.stdout
 
 
+def project_cache_type() -> str:
+    """How the project's `.dvc/config` puts cached outputs in the workspace (`cache.type`)."""
+    config = configparser.ConfigParser()
+    config.read(REPO_ROOT / ".dvc" / "config")
+    return config["cache"]["type"].strip('"')
+
+
 def pipeline_repo(repo: Path, raw_files: dict[str, str], write_params) -> Path:
     """`repo` made a git and DVC repository of the pipeline, its raw data `raw_files` under data/raw and
     its params.yaml written by `write_params(repo)` (pointing data.raw_dir at data/raw); one commit."""
@@ -37,6 +46,22 @@ def pipeline_repo(repo: Path, raw_files: dict[str, str], write_params) -> Path:
     dvc(repo, "init", "-q")
     shutil.copytree(REPO_ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")  # the curves' chart template
     dvc(repo, "config", "core.analytics", "false")
+    dvc(repo, "config", "cache.type", project_cache_type())  # outputs linked to DVC's cache, as in the project
     subprocess.run([*GIT, "add", "-A"], cwd=repo, check=True)
     subprocess.run([*GIT, "commit", "-qm", "pipeline"], cwd=repo, check=True)  # DVCLive needs a commit
     return repo
+
+
+def copy_repo(repo: Path, destination: Path) -> Path:
+    """A copy of a pipeline repository, to change and run apart from it. The files DVC links to its cache
+    are read-only, and nothing writes them in place (DVC removes an output before its stage runs), so the
+    copy links them too: copied, they would take their disk twice more (the cache's and the workspace's)."""
+
+    def link_if_read_only(source: str, target: str) -> str:
+        if os.stat(source).st_mode & stat.S_IWUSR:
+            return shutil.copy2(source, target)
+        os.link(source, target)
+        return target
+
+    shutil.copytree(repo, destination, symlinks=True, copy_function=link_if_read_only)
+    return destination

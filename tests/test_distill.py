@@ -24,7 +24,7 @@ from mtbert.params_file import parse_params
 from mtbert.runtime import MissingInputError, UserError
 from mtbert.training.distillation import Distillation
 from mtbert.training.losses import Distilled, kind_losses, task_loss
-from tests.conftest import REPO_ROOT, TASKS, make_params
+from tests.conftest import REPO_ROOT, TASKS, make_params, module_folder
 
 HEADS = {"sst": HeadParams(), "qqp": HeadParams(encoding="cross", combine="features"),
          "sts": HeadParams(encoding="cross", combine="features", target="raw")}
@@ -194,10 +194,10 @@ TRANSFER_ROWS = {"sst": 6, "qqp": 0, "sts": 8}
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, tiny_backbone, tiny_tokenized) -> Path:
+def pipeline(request, tmp_path_factory, tiny_backbone, tiny_tokenized) -> Path:
     """A transfer set, two variants (two seeds), their dumps with the training split and the transfer set, their
     ensemble, two students, stats."""
-    root = tmp_path_factory.mktemp("distill")
+    root = module_folder(request, tmp_path_factory, "distill")
     params_file = make_params(root, tiny_backbone, Path("unused"), train={"epochs": 1},
                               models={"base": {}, "seed1": {"train": {"seed": 1}}},
                               extra={"predict": {"batch_size": 8, "bf16": False},

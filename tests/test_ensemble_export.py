@@ -17,6 +17,7 @@ from mtbert.deploy.engine import ExportedEnsemble, OnnxEnsemblePredictor
 from mtbert.inference import InputError, Predictor
 from mtbert.integrity import read_manifest
 from tests.commands import mtbert_in_process
+from tests.conftest import module_folder
 from tests.deployed import invoke
 from tests.test_deploy import TOLERANCE, dev_texts, dump_values
 
@@ -24,9 +25,9 @@ TASKS = ("sst", "qqp", "sts")
 
 
 @pytest.fixture(scope="module")
-def exported(deployed, tmp_path_factory) -> tuple[Path, dict]:
+def exported(request, deployed, tmp_path_factory) -> tuple[Path, dict]:
     """exports/ensemble as the stage writes it, and its metrics."""
-    root = tmp_path_factory.mktemp("ensemble-export")
+    root = module_folder(request, tmp_path_factory, "ensemble-export")
     invoke("stages.export_ensemble", "--params-file", deployed.params_file, "--tokenized-root",
            deployed.tokenized_root, "--models-dir", deployed.models, "--ensemble-file", deployed.ensemble_file,
            "--dumps-dir", deployed.ensemble_dir, "--out-dir", root / "ensemble",

@@ -29,7 +29,7 @@ from mtbert import io
 from mtbert.params_file import variant_params
 from mtbert.training import build
 from tests.commands import mtbert_in_process
-from tests.conftest import REPO_ROOT, make_params
+from tests.conftest import REPO_ROOT, make_params, module_folder
 from tests.runs import kill_when, result_of, run_training, train_command
 from tests.test_errors import one_line_error, run_stage, tokenize_args
 
@@ -42,9 +42,9 @@ def training_params(tmp_path_factory, tiny_backbone) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, training_params, tiny_tokenized) -> tuple[dict, Path]:
+def trained(request, tmp_path_factory, training_params, tiny_tokenized) -> tuple[dict, Path]:
     """An uninterrupted run: its result and its output folder (models/base/ is a whole model folder)."""
-    out = tmp_path_factory.mktemp("uninterrupted")
+    out = module_folder(request, tmp_path_factory, "uninterrupted")
     return run_training(training_params, tiny_tokenized, out), out
 
 

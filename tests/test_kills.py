@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import make_params, synthetic_raw_files
+from tests.conftest import make_params, module_folder, synthetic_raw_files
 from tests.repos import dvc, dvc_env, pipeline_repo
 
 pytestmark = pytest.mark.slow(reason="a real `dvc repro` of the pipeline, then each stage killed and repeated")
@@ -72,9 +72,10 @@ def timed_repro(repo: Path) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_backbone) -> tuple[Path, dict[str, float], dict]:
+def reference(request, tmp_path_factory, tiny_backbone) -> tuple[Path, dict[str, float], dict]:
     """The repository after an uninterrupted run, each stage's seconds, and what that run's outputs hold."""
-    repo = pipeline_repo(tmp_path_factory.mktemp("kills"), synthetic_raw_files(16), write_params(tiny_backbone))
+    folder = module_folder(request, tmp_path_factory, "kills")
+    repo = pipeline_repo(folder, synthetic_raw_files(16), write_params(tiny_backbone))
     seconds = timed_repro(repo)
     return repo, seconds, outputs(repo)
 

@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from tests.commands import mtbert_in_process
-from tests.conftest import REPO_ROOT, make_params, synthetic_raw_files
-from tests.repos import GIT, dvc, dvc_env, pipeline_repo
+from tests.conftest import REPO_ROOT, make_params, module_folder, synthetic_raw_files
+from tests.repos import GIT, copy_repo, dvc, dvc_env, pipeline_repo
 
 pytestmark = pytest.mark.slow(reason="a real `dvc repro` and `dvc exp run` of the pipeline in a temporary repository")
 
@@ -67,7 +67,7 @@ def fifth_task_files(rows: int) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory, tiny_backbone, tiny_mpnet) -> Path:
+def repo(request, tmp_path_factory, tiny_backbone, tiny_mpnet) -> Path:
     def write_params(repo: Path) -> None:
         # predict as train evaluates (batch 8, fp32), so the model cards' dev metrics are predict's exactly
         make_params(repo, tiny_backbone, Path("data/raw"), train={"epochs": 1},
@@ -81,7 +81,7 @@ def repo(tmp_path_factory, tiny_backbone, tiny_mpnet) -> Path:
                                          "train": {"seed": 1}}})
 
     raw_files = {**synthetic_raw_files(16), **fourth_task_files(16), **fifth_task_files(16)}
-    repo = pipeline_repo(tmp_path_factory.mktemp("repo"), raw_files, write_params)
+    repo = pipeline_repo(module_folder(request, tmp_path_factory, "repo"), raw_files, write_params)
     dvc(repo, "repro")
     return repo
 
@@ -126,6 +126,11 @@ def test_repro_builds_every_stage_output(repo):
     assert set(exported["parity"]["max_abs_difference"]) == set(TASK_NAMES)
     stats = json.loads((repo / "metrics" / "stats.json").read_text())
     assert set(stats["groups"]["plain"]["honest"]) == {*TASK_NAMES, "overall"}  # its epoch choice, honestly
+
+
+def test_a_cached_output_is_one_file_in_the_cache_and_the_workspace(repo):
+    heads = repo / "models" / "plain" / "epoch-1" / "heads.safetensors"
+    assert heads.stat().st_nlink == 2  # .dvc/config's cache.type links it; a copy would double the disk it takes
 
 
 def test_the_student_learns_the_transfer_set_the_members_labelled(repo):
@@ -221,8 +226,7 @@ def test_members_train_at_once_and_repro_goes_on_from_them(repo, tmp_path):
     """`make members` (python -m mtbert.members) on a copy where one member's params changed: it retrains in
     a process of its own, the others are left alone, dvc.lock records it, and `dvc repro` does not train it
     again."""
-    copy = tmp_path / "repo"
-    shutil.copytree(repo, copy, symlinks=True)
+    copy = copy_repo(repo, tmp_path / "repo")
     params = yaml.safe_load((copy / "params.yaml").read_text())
     params["models"]["meanpool"]["train"]["seed"] = 2  # one member changes; the others stay up to date
     (copy / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -382,7 +386,7 @@ def test_a_bad_model_folder_is_one_line_naming_what_is_wrong(repo, tmp_path):
     shutil.copytree(repo / "models" / "plain", broken)
     (broken / "epoch-1" / "heads.safetensors").unlink()
     old = tmp_path / "old"
-    shutil.copytree(repo / "models" / "plain", old)
+    shutil.copytree(repo / "models" / "plain", old, copy_function=shutil.copyfile)  # writable: DVC's are not
     config = json.loads((old / "mtbert.json").read_text())
     (old / "mtbert.json").write_text(json.dumps({**config, "format": 1}))
     # the first as a process of its own (its stderr is what a user sees), the others in this process

@@ -21,7 +21,7 @@ from mtbert.model.backbone import PROVENANCE_FILE, starting_point
 from mtbert.params_file import load_params
 from mtbert.training.loop import Paths
 from stages.pretrain import app, pretrain
-from tests.conftest import REPO_ROOT, attention_runs, kill_once_checkpointed
+from tests.conftest import REPO_ROOT, attention_runs, kill_once_checkpointed, module_folder
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +129,9 @@ def encoder_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, tiny_backbone, tiny_tokenized):
+def finished_run(request, tmp_path_factory, tiny_backbone, tiny_tokenized):
     """A whole short run: its folder, its summary, and what attention its encoder ran (attention_runs)."""
-    root = tmp_path_factory.mktemp("pretrain")
+    root = module_folder(request, tmp_path_factory, "pretrain")
     params = load_params(pretrain_params(root, tiny_backbone))
     with attention_runs() as attention:
         summary = pretrain(params, paths_in(root, tiny_tokenized))

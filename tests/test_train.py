@@ -17,7 +17,7 @@ from mtbert.training.pcgrad import PCGrad
 from mtbert.training.progress import FineTuningCheckpoint, Progress
 from mtbert.training.smart import Regularised
 from mtbert.training.step import Summed, compute
-from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params, recorded_forwards, saved_heads
+from tests.conftest import REPO_ROOT, kill_once_checkpointed, make_params, module_folder, recorded_forwards, saved_heads
 from tests.runs import prepared, result_of, run_training, train_command, train_summary
 
 
@@ -27,8 +27,8 @@ def training_params(tmp_path_factory, tiny_backbone) -> Path:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, training_params, tiny_tokenized) -> dict:
-    return run_training(training_params, tiny_tokenized, tmp_path_factory.mktemp("run_a"))
+def uninterrupted(request, tmp_path_factory, training_params, tiny_tokenized) -> dict:
+    return run_training(training_params, tiny_tokenized, module_folder(request, tmp_path_factory, "run_a"))
 
 
 @pytest.mark.slow(reason="trains twice")
