@@ -124,7 +124,7 @@ def module_folder(request: pytest.FixtureRequest, tmp_path_factory, name: str) -
     """A new folder for a module-scoped fixture, removed when the module's tests end with none failed.
 
     The retention policy (pyproject.toml) removes a fixture's folder only when the session ends, so every
-    module's repository and models would otherwise be on disk at once (over 10 GB)."""
+    module's repository and models would otherwise be on disk at once (gigabytes in all)."""
     folder = tmp_path_factory.mktemp(name)
     failed_before = request.session.testsfailed
 

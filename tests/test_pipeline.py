@@ -130,7 +130,7 @@ def test_repro_builds_every_stage_output(repo):
 
 def test_a_cached_output_is_one_file_in_the_cache_and_the_workspace(repo):
     heads = repo / "models" / "plain" / "epoch-1" / "heads.safetensors"
-    assert heads.stat().st_nlink == 2  # .dvc/config's cache.type links it; a copy would double the disk it takes
+    assert heads.stat().st_nlink > 1  # .dvc/config's cache.type links it; a copy would double the disk it takes
 
 
 def test_the_student_learns_the_transfer_set_the_members_labelled(repo):
