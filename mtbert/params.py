@@ -198,6 +198,9 @@ class TrainParams(Section):
                                                 f"own top layers). {PER_TASK}")
     embedding_lr_factor: float = Field(ge=0.0, description="× the embeddings' LR, on top of layer decay; 0 "
                                                            "freezes them (less work a step).")
+    freeze_layers: Count = Field(description="The embeddings and the bottom N encoder layers frozen: no gradients, "
+                                             "no optimiser state, no moving-average copy, no dropout (their "
+                                             "outputs are a fixed function of the input); 0: none.")
     warmup_fraction: WarmupFraction
     schedule: Literal["linear", "cosine", "constant"] = Field(description="The LR after warmup.")
     grad_clip: GradClip

@@ -66,3 +66,21 @@ def test_frozen_weights_are_not_lerped_and_the_average_equals_torchs_averaged_mo
         assert torch.equal(ours.state_dict()[name], value), name
     assert torch.equal(ours.model[0].weight, model[0].weight)
     assert int(ours.state_dict()["n_averaged"]) == 5
+
+
+def test_shared_frozen_weights_are_the_models_own_and_the_average_is_unchanged():
+    """share_frozen drops the average's copy of a frozen weight (memory), and moves no average."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 2))
+    model[0].weight.requires_grad_(False)
+    shared, copied = MovingAverage(model, 0.9, debiased=True), MovingAverage(model, 0.9, debiased=True)
+    shared.share_frozen(model)
+    assert shared.model[0].weight.data_ptr() == model[0].weight.data_ptr()
+    assert shared.model[1].weight.data_ptr() != model[1].weight.data_ptr()  # a moving weight keeps its copy
+    for step in range(3):
+        with torch.no_grad():
+            model[1].weight.add_(step + 1.0)
+        shared.update(model)
+        copied.update(model)
+    for name, value in copied.state_dict().items():
+        assert torch.equal(shared.state_dict()[name], value), name

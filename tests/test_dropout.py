@@ -8,7 +8,15 @@ import torch
 from torch import nn
 from transformers.models.bert.modeling_bert import eager_attention_forward
 
-from mtbert.model.dropout import Dropout, drop, eager_attention, keep_mask, kept_scale, use_cheap_masks
+from mtbert.model.dropout import (
+    Dropout,
+    drop,
+    eager_attention,
+    keep_mask,
+    kept_scale,
+    use_cheap_masks,
+    without_dropout_where_frozen,
+)
 
 
 def test_masks_follow_torchs_seed():
@@ -89,3 +97,17 @@ def test_eager_attention_drops_probabilities_with_the_cheap_masks():
     assert torch.allclose(dropped, expected)
     _, evaluated = eager_attention(module.eval(), query, key, value, mask, dropout=0.2)
     assert torch.equal(evaluated, probabilities)
+
+
+def test_dropout_goes_only_where_every_weight_is_frozen():
+    """train.freeze_layers: a frozen block's dropout off (a fixed function of its input), a trained one's kept."""
+    frozen = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
+    trained = nn.Sequential(nn.Linear(4, 4), Dropout(0.1))
+    model = nn.Sequential(frozen, trained, nn.Dropout(0.2))  # the outer dropout: inside a partly trained module
+    frozen.requires_grad_(False)
+    without_dropout_where_frozen(model)
+    assert frozen[1].p == 0.0
+    assert trained[1].p == 0.1 and model[2].p == 0.2
+    model.train()
+    x = torch.ones(3, 4)
+    assert torch.equal(frozen(x), frozen(x))  # in training mode, no mask drawn

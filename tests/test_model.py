@@ -7,6 +7,7 @@ import torch
 from mtbert.model.backbone import load_encoder
 from mtbert.model.multitask import MultitaskModel
 from mtbert.model.pooling import pool
+from mtbert.params import ParamsError
 from mtbert.params_file import load_params, with_changes
 from mtbert.per_task import ROUTING_DEFAULTS
 from mtbert.training.losses import task_loss
@@ -131,6 +132,26 @@ def test_task_lr_mult_scales_only_what_its_task_alone_uses(params, tiny_backbone
     assert lr("encoders.towers.sts.encoder.layer.1.attention.self.query.weight") == pytest.approx(1e-3 * 3.0)
     assert lr("heads.qqp.net.1.weight") == pytest.approx(2e-3 * 2.0)
     assert lr("heads.sst.net.1.weight") == pytest.approx(2e-3 * 0.5)
+
+
+def test_freeze_layers_freezes_the_embeddings_and_the_bottom_layers_only(params, tiny_backbone):
+    """train.freeze_layers 1 of the tiny encoder's 2 layers: no gradient, so no optimiser state, below the top."""
+    model = MultitaskModel(load_encoder(str(tiny_backbone)), TASKS, params.heads, "cerbertus", 1)
+    optimizer, _ = make_optimizer(model, 2, with_changes(params.train, embedding_lr_factor=1.0, freeze_layers=1),
+                                  total_steps=10)
+    frozen = {name for name, weight in model.named_parameters() if not weight.requires_grad}
+    assert frozen and all(".embeddings." in name or ".layer.0." in name for name in frozen)
+    assert all(".layer.1." not in name for name in frozen)
+    assert not any(weight.requires_grad for weight in model.encoder.encoder.layer[0].parameters())
+    assert model.encoder.encoder.layer[1].attention.self.query.weight.requires_grad
+    optimised = {id(weight) for group in optimizer.param_groups for weight in group["params"]}
+    assert not any(id(weight) in optimised for weight in model.parameters() if not weight.requires_grad)
+
+
+def test_freeze_layers_must_leave_a_layer_to_train(params, tiny_backbone):
+    model = MultitaskModel(load_encoder(str(tiny_backbone)), TASKS, params.heads)
+    with pytest.raises(ParamsError, match=r"^train.freeze_layers: expected fewer than the encoder's 2 layers"):
+        make_optimizer(model, 2, with_changes(params.train, freeze_layers=2), total_steps=10)
 
 
 def test_embedding_lr_factor_zero_freezes_the_embeddings(params, tiny_backbone):

@@ -61,6 +61,14 @@ class MovingAverage:
                 averaged.copy_(current)  # buffers are kept in step, not averaged (as AveragedModel does)
         self.averaged.n_averaged += 1
 
+    def share_frozen(self, model: nn.Module) -> None:
+        """The average's copy of each frozen weight (requires_grad off) replaced by the weight itself: a weight
+        that never moves is its own average, so the copy is memory for nothing (with train.freeze_layers 8,
+        80M of an MPNet member's 140M weights)."""
+        for averaged, current in zip(self.model.parameters(), model.parameters(), strict=True):
+            if not current.requires_grad:
+                averaged.data = current.data
+
     def on_device(self) -> OnDeviceAverage:
         """This average, updated with no number read by the host from now on (captured steps)."""
         return OnDeviceAverage(self)
@@ -125,6 +133,9 @@ class NoAverage:
         self.model = model
 
     def update(self, model: nn.Module) -> None:
+        pass
+
+    def share_frozen(self, model: nn.Module) -> None:
         pass
 
     def on_device(self) -> NoAverage:

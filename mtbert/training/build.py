@@ -18,6 +18,7 @@ from mtbert.data.batches import TaskSplit, load_split, tokenized_input
 from mtbert.data.sampling import TaskStream, epoch_schedule
 from mtbert.data.tasks import Task, tasks_from_params
 from mtbert.model.backbone import load_encoder, load_tokenizer, starting_point
+from mtbert.model.dropout import without_dropout_where_frozen
 from mtbert.model.multitask import MultitaskModel
 from mtbert.params import Params, SmartParams, TrainParams, as_dict
 from mtbert.runtime import UnreadableInputError, use_bf16
@@ -120,6 +121,9 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
     steps = len(epoch_schedule_for(p, train_data, streams, 0))
     optimizer, scheduler = make_optimizer(model, model.encoder.config.num_hidden_layers, p,
                                           math.ceil(steps / p.grad_accum) * p.epochs)
+    average.share_frozen(model)  # after the optimiser froze the LR-0 weights
+    if p.freeze_layers:
+        without_dropout_where_frozen(model)
     objective = make_objective(model, params.smart, device, bf16, p.seed, labels.losses(kind_losses(model)))
     run = FineTuning(params, variant, paths, fingerprint, ranks, device, bf16, tasks, load_tokenizer(start), model,
                      train_data, dev_data, snapshot_data, row_lengths, streams, optimizer, scheduler, objective,

@@ -15,7 +15,7 @@ from transformers import (
 )
 
 from mtbert.model.families import family_of
-from mtbert.params import TrainParams
+from mtbert.params import ParamsError, TrainParams
 
 SCHEDULES = {"linear": get_linear_schedule_with_warmup, "cosine": get_cosine_schedule_with_warmup,
              "constant": get_constant_schedule_with_warmup}
@@ -36,20 +36,23 @@ class LayerwiseLR:
     """How the learning rate of each parameter is set; both loops group their parameters by it.
 
     An encoder parameter at depth d of L layers gets lr * layer_decay^(L - d) (the embeddings, d = 0,
-    also * embedding_lr_factor); a parameter outside the encoder(s) (a head) gets lr * head_lr_mult.
+    also * embedding_lr_factor); a parameter outside the encoder(s) (a head) gets lr * head_lr_mult. With
+    `freeze_layers` N > 0, every encoder parameter at depth <= N (the embeddings and the bottom N layers)
+    gets 0: frozen.
     """
     lr: float
     weight_decay: float
     layer_decay: float
     head_lr_mult: float = 1.0
     embedding_lr_factor: float = 1.0
+    freeze_layers: int = 0
     encoder_prefix: str = "encoders."  # what the encoder parameters' names start with
     depth_zero: tuple[str, ...] = ("embeddings",)  # the encoder family's input-side parameters (families.py)
 
     @classmethod
     def for_training(cls, params: TrainParams, depth_zero: tuple[str, ...] = ("embeddings",)) -> LayerwiseLR:
         return cls(params.lr, params.weight_decay, params.layer_decay, params.head_lr_mult,
-                   params.embedding_lr_factor, depth_zero=depth_zero)
+                   params.embedding_lr_factor, params.freeze_layers, depth_zero=depth_zero)
 
 
 def lr_scale(name: str, num_layers: int, rule: LayerwiseLR) -> float:
@@ -57,6 +60,8 @@ def lr_scale(name: str, num_layers: int, rule: LayerwiseLR) -> float:
     if not name.startswith(rule.encoder_prefix):
         return rule.head_lr_mult
     depth = layer_of(name, num_layers, rule.depth_zero)
+    if depth <= rule.freeze_layers and rule.freeze_layers > 0:
+        return 0.0
     scale = rule.layer_decay ** max(num_layers - depth, 0)  # top layer (and pooler): 1
     return scale * rule.embedding_lr_factor if depth == 0 else scale
 
@@ -95,6 +100,9 @@ def adamw(groups: list[dict], lr: float) -> torch.optim.AdamW:
 def make_optimizer(model: nn.Module, num_layers: int, params: TrainParams, total_steps: int):
     """Fine-tuning's AdamW and schedule (train.*): the layer-wise rule, and each task's train.task_lr_mult
     on the parameters only that task uses (a multitask model's `parameter_owners()`)."""
+    if params.freeze_layers >= num_layers:
+        raise ParamsError(f"train.freeze_layers: expected fewer than the encoder's {num_layers} layers (the top "
+                          f"one trains), got {params.freeze_layers}")
     multipliers = {name: params.task_lr_mult[task] for name, task in model.parameter_owners().items()}
     rule = LayerwiseLR.for_training(params, family_of(model.encoder.config).depth_zero)
     return layerwise_optimizer(model, num_layers, rule, params.schedule,
