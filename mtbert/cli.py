@@ -42,8 +42,8 @@ def main() -> None:
 
 @app.command()
 def predict(texts: list[str] = typer.Argument(None, help="texts; for pair tasks two consecutive ones make a pair"),
-            model: Path = typer.Option(None, "--model", help="a trained variant's folder (models/base) or its "
-                                                             "export (exports/base)"),
+            model: Path = typer.Option(None, "--model", help="a trained variant's folder (models/base) or an "
+                                                             "export (exports/<model>, for a model in export.models)"),
             ensemble: Path = typer.Option(None, "--ensemble", help="the ensemble's metrics/ensemble.json"),
             models_dir: Path = typer.Option(Path("models"), help="with --ensemble: where its members' folders are "
                                                                  "(exports: their exports)"),

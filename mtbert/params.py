@@ -8,6 +8,7 @@ mtbert/params_file.py.
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -357,7 +358,8 @@ class EvalBatchSize(Section):
 class RuntimeParams(Section):
     """How fast and how safely a stage runs, never what it computes: dvc.yaml tracks none of these keys, so
     changing them re-runs nothing and resume checkpoints stay valid (docs/performance.md)."""
-    threads: Count = Field(description="CPU threads per stage, shared among its processes; 0: torch's default.")
+    threads: Count = Field(description="CPU threads per stage, shared among its processes; 0: every core the "
+                                       "stage may run on (read as that number when loaded).")
     checkpoint_every: CheckpointEvery = Field(description="Optimiser steps between resume checkpoints.")
     check_every: PositiveInt = Field(description="Fine-tuning steps between the host's reads of the device's "
                                                  "losses for non-finite values (each checkpoint and epoch end "
@@ -372,6 +374,12 @@ class RuntimeParams(Section):
                                             "default (1024).")
     malloc_threshold_mb: Count = Field(description="glibc's mmap and trim threshold; 0: glibc's adaptive "
                                                    "default.")
+
+    @field_validator("threads")
+    @classmethod
+    def _every_core(cls, threads: int) -> int:
+        """0 read as the cores this process may run on (its CPU affinity), so that a 16-core machine trains on 16."""
+        return threads or len(os.sched_getaffinity(0))
 
     def split_batches(self, device_type: str, stage_batch_size: int) -> dict[str, int]:
         """How a stage batches a whole split's predictions on this device: predict_split's keyword arguments."""

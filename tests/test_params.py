@@ -327,3 +327,11 @@ def test_a_variants_null_over_a_shared_mapping_is_refused(raw_params, override):
     raw_params["models"] = {"base": {}, "reset": override}
     with pytest.raises(ParamsError, match=r"models\.reset\.heads(\.sts)?: expected a mapping of overrides, got null"):
         variant_params(raw_params, "reset")
+
+
+@pytest.mark.parametrize(("threads", "expected"), [(0, None), (3, 3)])
+def test_runtime_threads_zero_is_every_core_and_a_number_is_kept(raw_params, threads, expected):
+    import os
+
+    raw_params["runtime"]["threads"] = threads
+    assert parse_params(raw_params).runtime.threads == (expected or len(os.sched_getaffinity(0)))
