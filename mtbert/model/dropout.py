@@ -97,8 +97,8 @@ def use_cheap_masks(model: nn.Module) -> nn.Module:
 
 def without_dropout_where_frozen(model: nn.Module) -> None:
     """p = 0 for every dropout inside a module whose weights are all frozen (train.freeze_layers): the frozen
-    layers then compute a fixed function of their input, as the frozen weights' own pretraining never saw it
-    dropped, and they draw no masks. The encoders' configs keep their rates, so a saved model is unchanged."""
+    layers then compute a fixed function of their input, the same in every epoch, and draw no masks. The
+    encoders' configs keep their rates, so a saved model is unchanged."""
     for module in model.modules():
         weights = list(module.parameters())
         if weights and not any(weight.requires_grad for weight in weights):
