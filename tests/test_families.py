@@ -18,6 +18,8 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from mtbert.data.batches import split_of_table
 from mtbert.data.tokenization import encode_rows, retokenized
@@ -27,6 +29,7 @@ from mtbert.model.families import FAMILIES, FamilyError, family_of
 from mtbert.model.multitask import MultitaskModel
 from mtbert.model.packaged import CACHE_ENV, PACKAGED_MODELS, Part, SplitArchive, packaged_dir, sha256_of
 from mtbert.params_file import load_params, with_changes
+from mtbert.training.losses import Objective
 from mtbert.training.optim import layer_of, make_optimizer
 from mtbert.training.smart import Perturbation
 from tests.conftest import MPNET_FILES, REPO_ROOT, TASKS, built_once, tokenize_synthetic
@@ -412,3 +415,71 @@ def test_the_installed_all_mpnet_base_v2_has_the_upstream_weights():
     assert family is FAMILIES["mpnet"]
     encoder = load_encoder(MPNET).eval()
     assert encoder.config.num_hidden_layers == 12 and sum(p.numel() for p in encoder.parameters()) > 109e6
+
+
+# --- a training forward with no host tensor: what a CUDA graph can capture (training/capture.py) -----------
+class HostTensors(TorchDispatchMode):
+    """Every op, in a forward on the `meta` device, that makes a tensor on another device (the host) or reads
+    one from there into the device: a captured step can hold neither, and a blocking host-to-device copy in
+    every forward stalls an uncaptured one too."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("the forward reads a device value on the host (`.item()`, or a tensor's bool): "
+                                 "it waits for the device, and a CUDA graph cannot capture it")
+        out = func(*args, **(kwargs or {}))
+        inputs = {str(t.device) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        outputs = {str(t.device) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+        if outputs - {"meta"} or (outputs and inputs - {"meta"}):
+            self.found.append(f"{func} reads {sorted(inputs)} and makes {sorted(outputs)}")
+        return out
+
+
+def host_tensors_of_training_forwards(backbone: Path, params, monkeypatch) -> list[str]:
+    """The host tensors that each task's training forward and loss make, the model and batch on `meta`, with
+    the default's architecture (cerbertus towers) and each encoding: sst single, qqp cross, sts bi. The
+    forward runs as it does while a CUDA stream captures it: transformers then skips the checks that read the
+    mask on the host (masking_utils' `is_tracing`)."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    heads = {**params.heads, "qqp": with_changes(params.heads["qqp"], encoding="cross"),
+             "sts": with_changes(params.heads["sts"], encoding="bi", combine="cosine")}
+    model = model_of(backbone, with_changes(params, heads=heads), arch="cerbertus", task_layers=1)
+    model = model.train().to("meta")
+    objective = Objective(model, torch.device("cpu"), bf16=False)  # autocast off; it knows no `meta`
+    recorder = HostTensors()
+    for task in ("sst", "qqp", "sts"):
+        rows = [("a lovely film",), ("dull and far too long",)] if task == "sst" else PAIRS
+        batch = tokenized(backbone, task, rows).batch(np.arange(2), heads[task].encoding)
+        batch = {name: tensor.to("meta") for name, tensor in batch.items()}  # the copy the step makes first
+        with recorder:
+            objective(model, task, batch)
+    return recorder.found
+
+
+def test_a_familys_training_forward_makes_no_host_tensor_so_a_cuda_graph_can_capture_it(family_backbone, params,
+                                                                                       monkeypatch):
+    assert host_tensors_of_training_forwards(family_backbone, params, monkeypatch) == []
+
+
+def test_the_host_tensor_check_finds_buckets_built_on_the_host_as_transformers_4_did(tiny_mpnet, params,
+                                                                                   monkeypatch):
+    """transformers before 5.18 built MPNet's relative-position buckets on the host and copied them to the
+    device in every forward (pyproject.toml requires 5.18)."""
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
+    def host_buckets(self, x, position_ids=None, num_buckets=32):  # transformers 4.57's compute_position_bias
+        bsz, qlen, klen = x.size(0), x.size(1), x.size(1)
+        context_position = torch.arange(qlen, dtype=torch.long)[:, None]
+        memory_position = torch.arange(klen, dtype=torch.long)[None, :]
+        rp_bucket = self.relative_position_bucket(memory_position - context_position, num_buckets=num_buckets)
+        rp_bucket = rp_bucket.to(x.device)
+        values = self.relative_attention_bias(rp_bucket).permute([2, 0, 1]).unsqueeze(0)
+        return values.expand((bsz, -1, qlen, klen)).contiguous()
+
+    monkeypatch.setattr(MPNetEncoder, "compute_position_bias", host_buckets)
+    found = host_tensors_of_training_forwards(tiny_mpnet, params, monkeypatch)
+    assert any("arange" in op for op in found) and any("_to_copy" in op and "'cpu'" in op for op in found)
