@@ -41,7 +41,7 @@ check: lint
 	pytest -m "not slow"
 
 fuzz: install  # the deep run: the API fuzzed from its OpenAPI document, then the readers' properties, many more examples
-	python -m bench.fuzz --model exports/ensemble --examples 500
+	python -m bench.fuzz --model exports/ensemble --examples 1300  # > 10,000 requests, a new seed each run
 	HYPOTHESIS_PROFILE=deep pytest -n 0 tests/test_properties.py
 
 kills: install  # about 35 min on 2 cores; `make test` kills each stage once (tests/test_kills.py)

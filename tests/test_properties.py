@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 from mtbert.data.rawdata import REJECT_REASONS, RawDataError, read_split
 from mtbert.data.tasks import tasks_from_params
 from mtbert.inputs import has_visible_text
-from mtbert.params import ParamsError
-from mtbert.params_file import parse_params
+from mtbert.params import Params, ParamsError
+from mtbert.params_file import load_params, parse_params, read_yaml
+from mtbert.per_task import PER_TASK_KNOBS
 from mtbert.runtime import UserError
 from tests.conftest import REPO_ROOT
 
@@ -148,53 +149,170 @@ def test_a_raw_file_is_read_whole_or_refused_in_one_line(tmp_path, raw):
 
 
 # --- params.yaml ----------------------------------------------------------------------------------------------
+# The committed params.yaml as the pipeline reads it (YAML 1.2), and the JSON Schema of its sections
+# (mtbert/params.py, strict: no "128" for an integer), from which each key's bad values are drawn.
+RAW_PARAMS = read_yaml(REPO_ROOT / "params.yaml")
+SCHEMA = Params.model_json_schema(by_alias=True)
+JSON_TYPES = {"integer": 7, "number": 0.5, "string": "word", "boolean": True, "array": [1], "object": {"k": 1},
+              "null": None}
+
+
 def leaf_keys(tree, prefix=()) -> list[tuple]:
     if isinstance(tree, dict) and tree:
         return [key for name, value in tree.items() for key in leaf_keys(value, (*prefix, name))]
     return [prefix]
 
 
-KEYS = [key for key in leaf_keys(PARAMS) if key]
-VALUE = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
-                  st.text(max_size=8), st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=3),
-                                                                                            st.integers(), max_size=2))
+def resolved(node: dict) -> dict:
+    while "$ref" in node:
+        node = SCHEMA["$defs"][node["$ref"].rsplit("/", 1)[1]]
+    return node
 
 
-@st.composite
-def changed_params(draw):
-    """params.yaml with one key changed: a leaf given another value (any type), a key removed, or a key added."""
-    raw = copy.deepcopy(PARAMS)
-    key = draw(st.sampled_from(KEYS))
-    *parents, leaf = key
-    holder = raw
-    for name in parents:
+def schema_of(key: tuple) -> dict | None:
+    """The JSON Schema of the value at `key` (a per-task mapping's entry through its additionalProperties)."""
+    node = SCHEMA
+    for name in key:
+        options = [resolved(option) for option in resolved(node).get("anyOf", [resolved(node)])]
+        inner = [option["properties"][name] if name in option.get("properties", {}) else
+                 option.get("additionalProperties") for option in options]
+        inner = [option for option in inner if isinstance(option, dict)]
+        if not inner:
+            return None
+        node = inner[0]
+    node = resolved(node)
+    if key[-1] in PER_TASK_KNOBS.get(key[0], ()):  # one value for every task, or {task: value} (every_task)
+        return {"anyOf": [node, resolved(node["additionalProperties"])]}
+    return node
+
+
+def alternatives(schema: dict) -> list[dict]:
+    return [resolved(option) for option in schema.get("anyOf", [schema])]
+
+
+def accepts_type(option: dict, value) -> bool:
+    kinds = {type(value)} if value is not None else {type(None)}
+    allowed = {"integer": {int}, "number": {int, float}, "string": {str}, "boolean": {bool}, "array": {list},
+               "object": {dict}, "null": {type(None)}}[option["type"]] if "type" in option else None
+    return allowed is None or bool(kinds & allowed)
+
+
+def bad_values(schema: dict) -> list[tuple[str, object]]:
+    """(what is wrong, a value) that every alternative of `schema` refuses: a wrong type, a value out of
+    bounds, an unknown choice, an empty string (every string of params.yaml has one character at least)."""
+    options = alternatives(schema)
+    if any("type" not in option and "enum" not in option for option in options):
+        return []  # a value checked by a validator of its own (bf16): the schema cannot say what it refuses
+    found = [("wrong type", value) for value in JSON_TYPES.values()
+             if not any(accepts_type(option, value) for option in options)]
+    for option in options:
+        candidates = []
+        if option.get("type") in ("integer", "number"):
+            step = 1 if option["type"] == "integer" else 0.5
+            candidates += [option["minimum"] - step] if "minimum" in option else []
+            candidates += [option["exclusiveMinimum"]] if "exclusiveMinimum" in option else []
+            candidates += [option["maximum"] + step] if "maximum" in option else []
+            candidates += [option["exclusiveMaximum"]] if "exclusiveMaximum" in option else []
+            found += [("out of bounds", value) for value in candidates if refused_by_all(options, value)]
+        if option.get("type") == "string" and refused_by_all(options, ""):
+            found.append(("empty string", ""))
+        if "enum" in option and refused_by_all(options, "not-a-choice"):
+            found.append(("unknown choice", "not-a-choice"))
+    return found
+
+
+def refused_by_all(options: list[dict], value) -> bool:
+    def accepted(option: dict) -> bool:
+        if not accepts_type(option, value) or ("enum" in option and value not in option["enum"]):
+            return False
+        if isinstance(value, str):
+            return bool(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return (value >= option.get("minimum", value) and value > option.get("exclusiveMinimum", value - 1)
+                    and value <= option.get("maximum", value) and value < option.get("exclusiveMaximum", value + 1))
+        return True
+    return not any(accepted(option) for option in options)
+
+
+# each key of the committed file (the variants' overrides aside) with a value its schema refuses
+BAD_VALUES = [(key, wrong, value) for key in leaf_keys(RAW_PARAMS) if key and key[0] != "models"
+              for wrong, value in bad_values(schema_of(key) or {})]
+
+
+def yaml_text(tree: dict, *, flow: st.DataObject | None = None, duplicate: tuple | None = None, indent: str = "",
+              prefix: tuple = ()) -> str:
+    """`tree` as YAML text: block mappings, each value in JSON (a subset of YAML 1.2); with `flow`, some
+    mappings written inline, some strings single-quoted and some lines commented; with `duplicate`, that key
+    written twice in its mapping."""
+    lines = []
+    for name, value in tree.items():
+        key = (*prefix, name)
+        if isinstance(value, dict) and value and not (flow and flow.draw(st.booleans(), label="inline")):
+            text = f"{indent}{name}:\n" + yaml_text(value, flow=flow, duplicate=duplicate, indent=indent + "  ",
+                                                    prefix=key)
+            lines.append(text.rstrip("\n"))
+        else:
+            quoted = isinstance(value, str) and "'" not in value and flow and flow.draw(st.booleans(), label="quote")
+            written = f"'{value}'" if quoted else json.dumps(value)
+            comment = "  # a comment" if flow and flow.draw(st.booleans(), label="comment") else ""
+            lines.append(f"{indent}{name}: {written}{comment}")
+            lines += [f"{indent}{name}: {written}  # again"] if key == duplicate else []
+    return "\n".join(lines) + "\n"
+
+
+def with_value(tree: dict, key: tuple, value) -> dict:
+    changed = copy.deepcopy(tree)
+    holder = changed
+    for name in key[:-1]:
         holder = holder[name]
-    change = draw(st.sampled_from(["value", "value", "value", "remove", "add"]))
-    if change == "value":
-        holder[leaf] = draw(VALUE)
-    elif change == "remove":
-        del holder[leaf]
-    else:
-        holder[f"{leaf}_typo"] = draw(VALUE)
-    return raw, key, change
+    holder[key[-1]] = value
+    return changed
 
 
-@given(changed=changed_params())
-@settings(max_examples=examples(200))
-def test_params_with_a_key_changed_validate_or_are_refused_naming_it(changed):
-    raw, key, change = changed
+def params_refusal(text: str) -> str:
+    """The one-line refusal of `text` as a params.yaml file."""
+    path = Path(tempfile.mkdtemp()) / "params.yaml"
+    path.write_text(text, encoding="utf-8")
     try:
-        params = parse_params(raw, source="params.yaml")
+        load_params(path)
     except ParamsError as error:
         message = str(error)
-        one_line(error, "params.yaml")
-        # named by its section at least (a cross-field rule names the section it checks)
-        assert str(key[0]) in message or any(str(name) in message for name in key), (message, key)
-        event("refused in one line")
-        return
-    event(f"accepted ({change})")
-    assert change != "add", key  # an unknown key is always refused (a removed one may have a default)
-    assert params is not None
+        assert "\n" not in message and message.startswith(f"{path}: "), message
+        return message
+    finally:
+        shutil.rmtree(path.parent)
+    raise AssertionError(f"accepted:\n{text}")
+
+
+@given(bad=st.sampled_from(BAD_VALUES))
+@settings(max_examples=examples(150))
+def test_params_yaml_with_a_bad_value_is_refused_in_one_line_naming_its_key(bad):
+    key, wrong, value = bad
+    message = params_refusal(yaml_text(with_value(RAW_PARAMS, key, value)))
+    assert ".".join(key) in message, (wrong, value, message)
+    event(wrong)
+
+
+@given(key=st.sampled_from([key for key in leaf_keys(RAW_PARAMS) if key]))
+@settings(max_examples=examples(40))
+def test_params_yaml_with_a_key_written_twice_is_refused_naming_it_and_its_line(key):
+    text = yaml_text(RAW_PARAMS, duplicate=key)
+    line = next(number for number, line in enumerate(text.splitlines(), start=1) if line.endswith("# again"))
+    message = params_refusal(text)
+    assert f'duplicate key "{key[-1]}"' in message and f"line {line}," in message, (key, message)
+
+
+@given(style=st.data())
+@settings(max_examples=examples(40))
+def test_params_yaml_however_written_is_read_as_written(style):
+    """The committed values, each mapping in block or flow style, strings quoted either way, comments: the
+    same parameters as the committed file's."""
+    path = Path(tempfile.mkdtemp()) / "params.yaml"
+    try:
+        path.write_text(yaml_text(RAW_PARAMS, flow=style), encoding="utf-8")
+        assert load_params(path) == parse_params(RAW_PARAMS, source="params.yaml")
+    finally:
+        shutil.rmtree(path.parent)
 
 
 # --- `mtbert predict --input` ---------------------------------------------------------------------------------
@@ -205,36 +323,59 @@ INPUT_CELL = st.one_of(GOOD_TEXT, GOOD_TEXT,
 
 
 @st.composite
-def good_input_file(draw) -> tuple[bytes, list[str]]:
+def good_input_file(draw) -> tuple[bytes, list[str], int]:
     """An --input file every row of which must be predicted: TSV or JSON lines of texts that show."""
     texts = draw(st.lists(VISIBLE_TEXT.map(str.strip).filter(lambda text: '"' not in text), min_size=1, max_size=5))
     if draw(st.booleans()):
         text = "\n".join(["sentence", *texts]) + "\n"
     else:
         text = "\n".join(json.dumps({"sentence": sentence}) for sentence in texts)
-    return text.encode("utf-8"), texts
+    return text.encode("utf-8"), texts, len(texts)
+
+
+@st.composite
+def mixed_input_file(draw) -> tuple[bytes, None, int]:
+    """An --input file of good rows and rows no task can read (a text of spaces or zero-width characters, a
+    missing or non-text sentence), one of each at least: with --skip-bad-rows, each bad one must be skipped
+    and named."""
+    invisible = st.sampled_from([" ", "\u200b", "\u00a0 "])
+    tsv = draw(st.booleans())
+    bad = invisible if tsv else st.one_of(invisible.map(lambda text: {"sentence": text}), st.just({"other": "x"}),
+                                          st.just({"sentence": 3}))
+    good = GOOD_TEXT if tsv else GOOD_TEXT.map(lambda text: {"sentence": text})
+    rows = draw(st.permutations(draw(st.lists(good, min_size=1, max_size=3)) +
+                                draw(st.lists(bad, min_size=1, max_size=3))))
+    text = "\n".join(["sentence", *rows]) + "\n" if tsv else "\n".join(map(json.dumps, rows))
+    return text.encode("utf-8"), None, len(rows)
 
 
 @st.composite
 def input_files(draw):
     """An --input file: TSV (a header, rows of cells) or JSON lines (objects, maybe with missing, null or
-    non-string values), sometimes not UTF-8. One in three is well formed instead: its texts come back too."""
-    if draw(st.integers(0, 2)) == 0:
-        return draw(good_input_file())
+    non-string values), sometimes not UTF-8. One in three is well formed instead (its texts come back too),
+    one in three a mix of good and bad rows.
+    With it, how many rows it holds, where that can be told without a CSV reader (no quote or line break
+    in a cell; an empty line is no row), else None."""
+    kind = draw(st.integers(0, 2))
+    if kind < 2:
+        return draw(good_input_file() if kind == 0 else mixed_input_file())
     if draw(st.booleans()):
         header = draw(st.sampled_from([["sentence"], ["id", "sentence"], ["text"], ["sentence", "extra"]]))
         rows = draw(st.lists(st.lists(INPUT_CELL, min_size=len(header) - 1, max_size=len(header) + 1), max_size=5))
         text = "\n".join("\t".join(row) for row in [header, *rows]) + "\n"
+        plain = not any(mark in cell for row in rows for cell in row for mark in '"\n\r')
+        count = sum(1 for row in rows if "\t".join(row)) if plain else None
     else:
         value = st.one_of(INPUT_CELL, st.none(), st.integers(), st.lists(st.text(max_size=2), max_size=2))
         lines = draw(st.lists(st.one_of(
             st.fixed_dictionaries({"sentence": value}, optional={"id": value}).map(json.dumps),
             st.sampled_from(["", "{", "[]", '{"other": "x"}', "not json"])), max_size=5))
         text = "\n".join(lines)
+        count = sum(1 for line in lines if line.strip())
     data = text.encode("utf-8", "surrogatepass")
     if draw(st.integers(0, 9)) == 0:
         data = b"\xfe" + data
-    return data, None
+    return data, None, count
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +395,7 @@ def test_a_predict_input_file_is_predicted_or_refused_in_one_line(tmp_path, monk
 
     from mtbert import cli, predictors
 
-    data, good_texts = file
+    data, good_texts, count = file
     monkeypatch.setattr(predictors, "load_predictor", lambda **options: export_predictor)  # loaded once
     path = tmp_path / "input.tsv"
     path.write_bytes(data)
@@ -272,9 +413,16 @@ def test_a_predict_input_file_is_predicted_or_refused_in_one_line(tmp_path, monk
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert all(isinstance(line["sst"], dict) and has_visible_text(line["sentence"]) for line in lines)
-    if skip:  # every row predicted or reported skipped, in one line each naming the file and row
-        skipped = [line for line in result.stderr.splitlines() if line.startswith(f"{path} row ")]
-        assert lines or skipped
+    if not skip:  # every row predicted, or none (refused above)
+        assert count is None or len(lines) == count, (len(lines), count, data)
+    if skip:  # rows in = rows predicted + rows skipped, each skipped one reported in a line naming its row
+        skipped = [int(line.split()[2]) for line in result.stderr.splitlines() if line.startswith(f"{path} row ")]
+        summary = [line for line in result.stderr.splitlines() if line.startswith(f"{path}: skipped ")]
+        total = len(lines) + len(skipped)
+        assert len(set(skipped)) == len(skipped) and all(1 <= row <= total for row in skipped), skipped
+        assert summary == ([f"{path}: skipped {len(skipped)} of {total} rows"] if skipped else []), summary
+        assert count is None or total == count, (total, count, data)
+        event("rows counted" if count is not None else "rows not countable without a CSV reader")
 
 
 # --- an export's folder ---------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ clients; its results are the engine's, every limit and bad input gets its status
 and it goes on answering."""
 
 import collections
+import json
 import os
 import re
 import signal
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -378,10 +380,13 @@ def test_each_option_is_described_once_and_the_command_line_is_made_from_it(monk
     assert all(f"--{described.flag}" in shown for described in serve_options())
 
 
-def post_until_answered(http: httpx.Client, url: str, body: dict, request_id: str, deadline: float) -> httpx.Response:
+def post_until_answered(http: httpx.Client, url: str, body: dict, request_id: str, deadline: float,
+                        sent: collections.Counter) -> httpx.Response:
     """The client docs/serving.md shows: a 429 or 503 is sent again after its Retry-After, a refused or
-    dropped connection (the server restarting) after a moment; anything else is the answer."""
+    dropped connection (the server restarting) after a moment; anything else is the answer. `sent` counts
+    each attempt under the request's id."""
     while time.monotonic() < deadline:
+        sent[request_id] += 1
         try:
             answer = http.post(f"{url}/predict", json=body, headers={"X-Request-ID": request_id})
         except httpx.TransportError:
@@ -393,22 +398,31 @@ def post_until_answered(http: httpx.Client, url: str, body: dict, request_id: st
     raise TimeoutError(f"request {request_id}: no answer before the deadline")
 
 
+def answered(log: Path) -> collections.Counter:
+    """The request ids a server answered 200 to /predict, as its JSON access log counts them."""
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith('{"time"')]
+    return collections.Counter(line["request_id"] for line in lines
+                               if line["path"] == "/predict" and line["status"] == 200)
+
+
 @pytest.mark.slow(reason="two real servers, one after the other, under load")
 def test_a_retrying_client_gets_every_answer_once_across_a_drain_and_a_restart(deployed, tmp_path):
     """N requests from 4 clients while the server drains on SIGTERM and a new one starts on the same port:
-    N answers, each request's own (its X-Request-ID) and the engine's, and no traceback in either log."""
+    N answers, each request's own (its X-Request-ID) and the engine's, each answered once by the servers
+    (their access logs), the second server answering some, and no traceback in either log."""
     engine = OnnxPredictor.load(deployed.exports / "bi", engine="onnx", threads=1)
     port, requests = free_port(), 60
-    arguments = ("--model", deployed.exports / "bi", "--engine", "onnx", "--threads", "1")
+    arguments = ("--model", deployed.exports / "bi", "--engine", "onnx", "--threads", "1", "--access-log", "json")
     first, url = start_server(tmp_path / "first.log", *arguments, port=port, timeout=STARTUP_SECONDS)
     answers: dict[int, list[httpx.Response]] = collections.defaultdict(list)
+    sent = collections.Counter()
     deadline = time.monotonic() + STARTUP_SECONDS
 
     def client(numbers: range) -> None:
         with httpx.Client(timeout=60) as http:
             for number in numbers:
                 answers[number].append(post_until_answered(
-                    http, url, {"task": "sst", "texts": [f"Film number {number}."]}, str(number), deadline))
+                    http, url, {"task": "sst", "texts": [f"Film number {number}."]}, str(number), deadline, sent))
 
     clients = [threading.Thread(target=client, args=(range(k, requests, 4),)) for k in range(4)]
     second = None
@@ -430,5 +444,11 @@ def test_a_retrying_client_gets_every_answer_once_across_a_drain_and_a_restart(d
     for number, (answer,) in answers.items():
         assert answer.status_code == 200 and answer.headers["X-Request-ID"] == str(number)
         assert_results_equal(answer.json()["results"], engine.predict("sst", [f"Film number {number}."]))
+    by_first, by_second = answered(tmp_path / "first.log"), answered(tmp_path / "second.log")
+    assert by_first + by_second == collections.Counter(str(number) for number in range(requests))  # each once
+    assert by_second, "the second server answered none: the restart was not under load"
+    retries = sum(sent.values()) - requests
+    print(f"\n  first server answered {len(by_first)}, second {len(by_second)}; {retries} retries")
+    assert retries >= 1  # the drain refused or dropped some, and they came back
     for log in ("first.log", "second.log"):
         assert "Traceback" not in (tmp_path / log).read_text()

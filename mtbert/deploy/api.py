@@ -33,7 +33,7 @@ from mtbert.deploy import schema
 from mtbert.deploy.batcher import EngineFailed, MicroBatcher, Overloaded
 from mtbert.deploy.lifecycle import Lifecycle
 from mtbert.deploy.metrics import ServerMetrics
-from mtbert.deploy.middleware import ClientGone, ServingMiddleware
+from mtbert.deploy.middleware import GUARDED, ClientGone, ServingMiddleware
 from mtbert.deploy.serve_config import Admission, Batching, Limits, Operations
 from mtbert.inputs import InputError, check_texts
 
@@ -122,6 +122,9 @@ def create_app(predictor, limits: Limits = Limits(), batching: Batching = Batchi
         request.state.texts = len(rows)
         return {"task": task, "results": results}
 
+    if operations.api_key:
+        document = app.openapi  # FastAPI's builder, which caches the document it returns
+        app.openapi = lambda: schema.with_bearer(document(), GUARDED)
     return app
 
 

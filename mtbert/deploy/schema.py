@@ -28,7 +28,11 @@ ERRORS = {  # status -> what it means, as the server answers it
     500: "the engine failed on this request; the log has the details under its request id",
     503: "not answered within `--request-timeout`, or the server is shutting down",
 }
-RETRY_AFTER_STATUSES = (429, 503)  # the answers that say when to send the request again
+RETRY_AFTER_STATUSES = (429, 503)
+# A text of only spaces, control, format, private-use or unassigned characters (Unicode's Z and C, after NFKC)
+# is refused: the tokenizer would see nothing in it. JSON Schema has no pattern for Unicode categories that
+# every validator reads alike, so the document names the rule as a format of its own.
+VISIBLE_TEXT = "visible-text"  # the answers that say when to send the request again
 
 
 def error(status: int) -> dict:
@@ -45,7 +49,8 @@ def json_response(description: str, schema: dict) -> dict:
 def predict_body(tasks: dict[str, int], max_texts: int, max_chars: int) -> dict:
     """/predict's request body: for each task (name -> how many sentences a row has), its name and a list of
     rows, a row being a text (one sentence) or a list of its texts (a pair)."""
-    text = {"type": "string", "minLength": 1, "maxLength": max_chars}
+    text = {"type": "string", "minLength": 1, "maxLength": max_chars, "format": VISIBLE_TEXT,
+            "description": "a text with at least one character that shows (mtbert.inputs.has_visible_text)"}
 
     def request(task: str, sentences: int) -> dict:
         row = text if sentences == 1 else {"type": "array", "items": text, "minItems": sentences,
@@ -84,6 +89,20 @@ HEALTH = {200: json_response("the engine completes its calls (liveness)", HEALTH
 READY = {200: json_response("the model is loaded and the server takes work (readiness)", {
     "type": "object", "required": ["status"], "properties": {"status": {"enum": ["ready"]}}}),
          503: error(503)}
+
+BEARER = {"bearer": {"type": "http", "scheme": "bearer", "description": "the server's --api-key"}}
+
+
+def with_bearer(document: dict, guarded: tuple[str, ...]) -> dict:
+    """`document` saying that the `guarded` paths ask for the bearer token, as a server with --api-key does:
+    a client (or schemathesis' `ignored_auth` check) then knows to send it, and that a 200 without it is
+    wrong."""
+    document.setdefault("components", {})["securitySchemes"] = BEARER
+    for path in guarded:
+        for operation in document["paths"][path].values():
+            operation["security"] = [{"bearer": []}]
+    return document
+
 
 METRICS = {200: {"description": "Prometheus metrics, in the text exposition format",
                  "content": {"text/plain": {"schema": {"type": "string"}}}},
