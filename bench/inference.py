@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import pyarrow.parquet as pq
 
+from mtbert import io
 from mtbert.data.batches import TaskSplit
 from mtbert.data.tasks import tokenized_path
 from mtbert.evaluation.evaluate import predict_split
@@ -22,7 +22,8 @@ from mtbert.runtime import use_bf16
 
 def dev_texts(tokenized_dir, split: TaskSplit) -> list[tuple[str, ...]]:
     """The texts of the first len(split) rows of a tokenized dev split (stored beside the token ids)."""
-    table = pq.read_table(tokenized_path(tokenized_dir, split.task.name, "dev")).slice(0, len(split))
+    table = io.read_parquet(tokenized_path(tokenized_dir, split.task.name, "dev"), split.task.text_columns,
+                            "run `dvc repro tokenize` again").slice(0, len(split))
     return list(zip(*(table.column(c).to_pylist() for c in split.task.text_columns), strict=True))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -119,19 +120,48 @@ def write_metrics(path: Path | str, data: Any) -> None:
     write_json(path, rounded(data))
 
 
+# The sha256 of a table's content, in its Parquet file's own metadata. Parquet checks its data pages (with
+# page checksums on) but not its footer, where a flipped bit can rename a column or change its type.
+DIGEST_KEY = b"mtbert.sha256"
+
+
 def write_parquet(path: Path | str, table: pa.Table) -> None:
+    """`table` at `path`, atomically, with page checksums and the digest of its content (read_parquet checks
+    both: a file cut or altered anywhere is refused, never read wrongly)."""
+    metadata = {**(table.schema.metadata or {}), DIGEST_KEY: content_digest(table).encode()}
     with atomic_path(path) as temp:
-        pq.write_table(table, temp)
+        pq.write_table(table.replace_schema_metadata(metadata), temp, write_page_checksum=True)
+
+
+def content_digest(table: pa.Table) -> str:
+    """The sha256 of a table's columns, their types and its metadata (but the digest): the same for the table
+    written and the one read back, however Parquet chunks it or names a list's items."""
+    fields = [pa.field(field.name, pa.list_(field.type.value_type) if pa.types.is_list(field.type) else field.type,
+                       field.nullable) for field in table.schema]
+    metadata = {key: value for key, value in (table.schema.metadata or {}).items() if key != DIGEST_KEY}
+    canonical = table.cast(pa.schema(fields)).combine_chunks().replace_schema_metadata(metadata)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, canonical.schema) as writer:
+        writer.write_table(canonical)
+    return hashlib.sha256(sink.getvalue()).hexdigest()
 
 
 def read_parquet(path: Path | str, columns: tuple[str, ...], remedy: str) -> pa.Table:
-    """A Parquet file with (at least) `columns`; one that is cut short, damaged or lacks one of them is an
-    UnreadableInputError naming it and ending with `remedy` (the caller checks that the file is there)."""
+    """A Parquet file that write_parquet wrote, with (at least) `columns`; one that is cut short, damaged,
+    without its digest or lacks one of them is an UnreadableInputError naming it and ending with `remedy`
+    (the caller checks that the file is there)."""
     try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as error:
+        table = pq.read_table(path, page_checksum_verification=True)
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as error:  # the last: a name in a damaged footer
         detail = " ".join(str(error).split()).split(f"'{path}': ", 1)[-1]  # pyarrow repeats the path
         raise UnreadableInputError(f"{path}: not a readable Parquet file ({detail}); {remedy}") from error
+    recorded = (table.schema.metadata or {}).get(DIGEST_KEY)
+    if recorded is None:
+        raise UnreadableInputError(f"{path}: holds no {DIGEST_KEY.decode()} digest of its content (written by "
+                                   f"another program or an older mtbert, or damaged); {remedy}")
+    if recorded != content_digest(table).encode():
+        raise UnreadableInputError(f"{path}: its content is not what was written (its {DIGEST_KEY.decode()} "
+                                   f"digest differs): damaged; {remedy}")
     missing = [name for name in columns if name not in table.column_names]
     if missing:
         raise UnreadableInputError(f"{path}: has no column {missing[0]!r} (expected {', '.join(columns)}; it has "

@@ -11,6 +11,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.common import start_server, stop_server
 from mtbert.deploy.engine import ExportedEnsemble, OnnxEnsemblePredictor
@@ -20,6 +22,7 @@ from tests.commands import mtbert_in_process
 from tests.conftest import module_folder
 from tests.deployed import invoke
 from tests.test_deploy import TOLERANCE, dev_texts, dump_values
+from tests.test_properties import examples, refusal
 
 TASKS = ("sst", "qqp", "sts")
 
@@ -42,6 +45,8 @@ def test_dumps_written_in_bf16_are_reported_not_held_to_the_tolerance(deployed, 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from mtbert import io
+
     dumps = tmp_path / "dumps"
     dumps.mkdir()
     for path in deployed.ensemble_dir.glob("*-dev.parquet"):
@@ -49,7 +54,7 @@ def test_dumps_written_in_bf16_are_reported_not_held_to_the_tolerance(deployed, 
         columns = {name: (pa.array(table.column(name).to_numpy() + 0.01)
                           if name.startswith("prob") or name == "score" else table.column(name))
                    for name in table.column_names}
-        pq.write_table(pa.table(columns), dumps / path.name)
+        io.write_parquet(dumps / path.name, pa.table(columns))
     invoke("stages.export_ensemble", "--params-file", deployed.params_file, "--tokenized-root",
            deployed.tokenized_root, "--models-dir", deployed.models, "--ensemble-file", deployed.ensemble_file,
            "--dumps-dir", dumps, "--out-dir", tmp_path / "ensemble", "--metrics-file", tmp_path / "ensemble.json")
@@ -163,3 +168,39 @@ def test_a_task_whose_int8_members_add_up_to_too_large_a_drop_runs_fp32_in_every
     assert {name: {task: engine for task, (engine, _) in tasks.items()} for name, tasks in changed.items()} == \
            {"a": {"sst": "onnx", "qqp": "int8"}, "b": {"sst": "onnx"}}
     assert "by 0.0064, more than export.int8_max_drop" in changed["b"]["sst"][1]
+
+
+@pytest.mark.slow(reason="loads the exported ensemble on every example")
+@given(choice=st.data())
+@settings(max_examples=examples(20))
+def test_an_ensemble_export_with_a_file_missing_cut_or_altered_is_refused_naming_it(exported, choice):
+    """Any file of the folder (its manifest and the members' list, a member's manifest, graph or tokenizer)
+    removed, cut short or with a bit flipped: loading it and predicting every task is refused in one line
+    naming the file, never answered from what was damaged."""
+    import os
+    import shutil
+    import tempfile
+
+    folder, _ = exported
+    # every file but the model card (README.md, for people: the loader reads it not, and checks what it reads)
+    files = sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*")
+                   if path.is_file() and path.name != "README.md")
+    with tempfile.TemporaryDirectory() as scratch:
+        copy = Path(scratch) / "ensemble"
+        shutil.copytree(folder, copy, copy_function=os.link)  # links: the graphs are large
+        name = choice.draw(st.sampled_from(files))
+        path = copy / name
+        data = path.read_bytes()
+        path.unlink()  # the changed file is a new one: the link's target, the module's export, stays whole
+        change = choice.draw(st.sampled_from(["remove", "cut", "flip", "flip"]))  # a flip: the silent kind
+        if change == "cut":
+            path.write_bytes(data[:choice.draw(st.integers(0, len(data) - 1))])
+        elif change == "flip":
+            at = choice.draw(st.integers(0, len(data) - 1))
+            path.write_bytes(data[:at] + bytes([data[at] ^ 1 << choice.draw(st.integers(0, 7))]) + data[at + 1:])
+        # an int8 graph is read by the int8 engine only; the manifests and the tokenizers by both
+        engine = "int8" if ".int8." in name else "onnx" if name.endswith(".onnx") else \
+            choice.draw(st.sampled_from(["onnx", "int8"]))
+        message = refusal(copy, engine=engine)
+    assert message is not None, f"{name} ({change}): the ensemble loaded and predicted"
+    assert "\n" not in message and Path(name).name in message, (name, change, message)

@@ -209,7 +209,7 @@ def test_a_tokenized_split_without_a_column_names_it(tmp_path, tiny_tokenized):
 
     shutil.copytree(tiny_tokenized, tmp_path / "tok")
     path = tmp_path / "tok" / "qqp-dev.parquet"
-    pq.write_table(pq.read_table(path).drop_columns(["input_ids_2"]), path)  # as another version might write it
+    io.write_parquet(path, pq.read_table(path).drop_columns(["input_ids_2"]))  # as another version might write it
     with pytest.raises(UnreadableInputError, match=r"qqp-dev.parquet: has no column 'input_ids_2' \(expected id, "):
         load_split(tmp_path / "tok", TASKS["qqp"], "dev")
 
@@ -239,13 +239,30 @@ def test_a_write_removes_what_a_killed_writer_left_beside_it_and_keeps_a_live_on
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted(["model", live.name, other_output.name])
 
 
+def test_a_parquet_file_that_another_program_wrote_is_refused_for_its_missing_digest(tmp_path, tiny_tokenized):
+    """Its content cannot be checked (mtbert/io.py's DIGEST_KEY), so it is not read."""
+    from mtbert.data.batches import load_split
+    from mtbert.runtime import UnreadableInputError
+    from tests.conftest import TASKS
+
+    shutil.copytree(tiny_tokenized, tmp_path / "tok")
+    path = tmp_path / "tok" / "sst-dev.parquet"
+    table = pq.read_table(path)
+    pq.write_table(table.replace_schema_metadata({key: value for key, value in table.schema.metadata.items()
+                                                  if key != io.DIGEST_KEY}), path)
+    with pytest.raises(UnreadableInputError, match=r"sst-dev.parquet: holds no mtbert.sha256 digest of its content "
+                                                   r"\(written by another program or an older mtbert, or damaged\); "
+                                                   r"expected a split `tokenize` writes"):
+        load_split(tmp_path / "tok", TASKS["sst"], "dev")
+
+
 def test_a_cut_short_prediction_dump_is_one_line(tmp_path):
     from mtbert.evaluation.predictions import dump_path, read_dump
     from mtbert.runtime import UnreadableInputError
     from tests.conftest import TASKS
 
     path = dump_path(tmp_path, "sts", "dev")
-    pq.write_table(pa.table({"id": ["a", "b"], "score": [1.0, 2.0], "label": [1.0, 2.0]}), path)
+    io.write_parquet(path, pa.table({"id": ["a", "b"], "score": [1.0, 2.0], "label": [1.0, 2.0]}))
     truncate(path)
     with pytest.raises(UnreadableInputError, match=r"sts-dev.parquet: not a readable Parquet file .*run the stage"):
         read_dump(tmp_path, TASKS["sts"], "dev")

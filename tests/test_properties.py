@@ -16,7 +16,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
+import torch
 import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -468,4 +470,122 @@ def test_an_export_with_a_file_missing_cut_or_altered_is_refused_naming_it(deplo
         message = refusal(folder, engine)
     assert message is not None, f"{name} ({change}): the {engine} engine loaded the export and predicted"
     assert "\n" not in message and name in message, message
+    event("refused in one line")
+
+
+# --- what the stages hand each other (Parquet, checkpoints, model folders), cut or altered ------------------
+@st.composite
+def damaged(draw, data: bytes, focus: range | None = None) -> tuple[str, bytes]:
+    """`data` cut short (anywhere, to nothing at all) or with one bit flipped (anywhere, or half the time in
+    `focus`: a small part that a reader trusts, such as a Parquet file's footer)."""
+    if draw(st.booleans()):
+        at = draw(st.integers(0, len(data) - 1))
+        return f"cut at byte {at}", data[:at]
+    where = focus if focus is not None and draw(st.booleans()) else range(len(data))
+    at, bit = draw(st.sampled_from(where)), draw(st.integers(0, 7))
+    return f"bit {bit} of byte {at} flipped", data[:at] + bytes([data[at] ^ (1 << bit)]) + data[at + 1:]
+
+
+SPLIT_TABLE = pa.table({"id": [f"row{i}" for i in range(12)], "label": np.arange(12, dtype=np.float64),
+                        "input_ids": pa.array([list(range(i, i + 4)) for i in range(12)], pa.list_(pa.int32()))},
+                       metadata={b"pad_id": b"0"})
+
+
+@given(choice=st.data())
+@settings(max_examples=examples(400))
+def test_a_parquet_file_cut_or_altered_is_refused_in_one_line_or_read_as_written(choice):
+    from mtbert import io as mtbert_io
+
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "sst-dev.parquet"
+        mtbert_io.write_parquet(path, SPLIT_TABLE)
+        written = path.read_bytes()
+        footer = int.from_bytes(written[-8:-4], "little")  # the footer's length, before the closing PAR1
+        change, data = choice.draw(damaged(written, focus=range(len(written) - 8 - footer, len(written) - 8)))
+        path.write_bytes(data)
+        try:
+            table = mtbert_io.read_parquet(path, ("id", "input_ids"), "run the stage again")
+        except UserError as error:
+            one_line(error, str(path))
+            event("refused in one line")
+            return
+    event("read, the same")  # a bit no reader looks at (statistics, padding)
+    assert table.to_pylist() == SPLIT_TABLE.to_pylist() and table.schema.metadata[b"pad_id"] == b"0", change
+    assert [value_type(field.type) for field in table.schema] == [value_type(f.type) for f in SPLIT_TABLE.schema]
+
+
+def value_type(kind: pa.DataType) -> pa.DataType:
+    """A column's type, a list's by its items' (Parquet names a list's item field anew)."""
+    return pa.list_(kind.value_type) if pa.types.is_list(kind) else kind
+
+
+def checkpoint_state() -> dict:
+    generator = torch.Generator().manual_seed(0)
+    return {"fingerprint": "run-1", "progress": json.dumps({"epoch": 1, "step": 7}),
+            "model": {"layer.weight": torch.randn(16, 8, generator=generator), "layer.bias": torch.zeros(16)},
+            "optimizer": {"state": {0: {"step": torch.tensor(7.0)}}, "param_groups": [{"lr": 1e-4}]}}
+
+
+def same_state(left, right) -> bool:
+    if isinstance(left, torch.Tensor):
+        return isinstance(right, torch.Tensor) and left.dtype == right.dtype and torch.equal(left, right)
+    if isinstance(left, dict):
+        return isinstance(right, dict) and left.keys() == right.keys() and all(
+            same_state(value, right[key]) for key, value in left.items())
+    if isinstance(left, (list, tuple)):
+        return type(left) is type(right) and len(left) == len(right) and all(map(same_state, left, right))
+    return left == right
+
+
+@given(choice=st.data())
+@settings(max_examples=examples(100))
+def test_a_checkpoint_cut_or_altered_is_set_aside_or_resumed_as_written(choice):
+    """A checkpoint that is not whole is set aside with a warning (the run starts over); one read is the one
+    written, to every tensor's bit."""
+    import dataclasses
+
+    from mtbert.training.checkpoint import LAST, SET_ASIDE, newest_whole, save_checkpoint
+
+    written = checkpoint_state()
+    holder = dataclasses.make_dataclass("Checkpoint", list(written))(**written)
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        save_checkpoint(folder, holder)
+        change, data = choice.draw(damaged((folder / LAST).read_bytes()))
+        (folder / LAST).write_bytes(data)
+        found = newest_whole(folder)
+        aside = [path.name for path in folder.iterdir() if SET_ASIDE in path.name]
+    if found is None:
+        assert len(aside) == 1, (change, aside)
+        event("set aside")
+        return
+    event("read, the same")
+    assert same_state(found[1], written), change
+
+
+@pytest.mark.slow(reason="loads a small model folder on every example")
+@given(choice=st.data())
+@settings(max_examples=examples(25))
+def test_a_model_folder_with_a_file_cut_or_altered_is_refused_naming_it(deployed, choice):
+    from mtbert.model.saved import CHECKSUMS_FILE, load_model
+
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch) / "cross"
+        shutil.copytree(deployed.models / "cross", folder, copy_function=os.link)  # links: the weights are large
+        listed = sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file())
+        name = choice.draw(st.sampled_from(listed))
+        path = folder / name
+        data = path.read_bytes()
+        path.unlink()  # the changed file is a new one: the link's target, the shared folder, stays whole
+        change, changed = choice.draw(damaged(data)) if data else ("removed", None)
+        if changed is not None:
+            path.write_bytes(changed)
+        try:
+            load_model(folder)
+        except UserError as error:
+            message = str(error)
+        else:
+            message = None
+    assert message is not None, f"{name} ({change}): the model loaded"
+    assert "\n" not in message and (name in message or CHECKSUMS_FILE in message), message
     event("refused in one line")

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from mtbert import io
 from mtbert.data.batches import TaskSplit, load_split
@@ -248,6 +247,7 @@ def dev_texts(tokenized_dir: Path, tasks: dict, rows: int) -> dict[str, list[tup
     """The first `rows` texts of each task's dev split (the tokenized split keeps them beside the ids)."""
     texts = {}
     for name, task in tasks.items():
-        table = pq.read_table(tokenized_path(tokenized_dir, name, "dev")).slice(0, rows)
+        table = io.read_parquet(tokenized_path(tokenized_dir, name, "dev"), task.text_columns,
+                                "run `dvc repro tokenize` again").slice(0, rows)
         texts[name] = list(zip(*(table.column(c).to_pylist() for c in task.text_columns), strict=True))
     return texts
