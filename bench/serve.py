@@ -11,12 +11,15 @@ One server, with its default limits, serves three phases in turn:
 After phases 2 and 3 a fresh one-sentence request is sent and timed: how soon the server answers again.
 Per phase: throughput, p50 and p99 latency of the answered (200) requests, every status counted, the share
 shed (429 and 503), the slowest answer of any status, and the server's peak memory (VmHWM, summed over
-its processes) after it.
+its processes) after it. And from the server's own JSON access log, each admitted request's (every status
+but 429) time to its answer, against `--request-timeout`: the server answers or refuses every request it
+took within that bound, whatever its clients wait.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -54,6 +57,22 @@ def overload(url: str, task: str, texts: list[str], connections: int, timeout: f
     return load_summary(outcomes, wall, sent=connections)
 
 
+TIMER_SLACK = 1.0  # seconds past --request-timeout that an answer may take: the deadline's timer and the event loop
+
+
+def admitted_answers(log: Path, start: int, request_timeout: float) -> tuple[dict, int]:
+    """What the server's JSON access log says, after byte `start`, of the /predict requests it admitted (every
+    status but 429): how many, the slowest one's seconds to its answer, and whether each came within
+    `request_timeout`; and the log's end, for the next phase."""
+    text = log.read_bytes()
+    lines = [json.loads(line) for line in text[start:].decode(errors="replace").splitlines()
+             if line.startswith('{"time"')]
+    seconds = [line["seconds"] for line in lines if line["path"] == "/predict" and line["status"] != 429]
+    return {"requests": len(seconds), "slowest_s": round(max(seconds, default=0.0), 3),
+            "request_timeout_s": request_timeout,
+            "within_timeout": all(value <= request_timeout + TIMER_SLACK for value in seconds)}, len(text)
+
+
 def first_answer_seconds(url: str, task: str, sentence: str, timeout: float = 60) -> tuple[float, int]:
     """How long a fresh one-sentence request takes to be answered, and its status."""
     import httpx
@@ -73,9 +92,11 @@ def long_texts(sentences: list[str], count: int, chars: int) -> list[str]:
 
 def serve_figures(export_dir: Path, sentences: list[str], *, task: str = "sst", clients: int = 32,
                   requests: int = 20, connections: int = 1500, texts: int = 64, chars: int = 2000,
-                  give_up: float = 1.0, client_timeout: float = 45.0, server_args: tuple = (),
-                  scratch: Path) -> dict:
-    process, url = start_server(scratch / "serve.log", "--model", export_dir, *server_args, timeout=300)
+                  give_up: float = 1.0, client_timeout: float = 45.0, request_timeout: float = 30.0,
+                  server_args: tuple = (), scratch: Path) -> dict:
+    log = scratch / "serve.log"
+    process, url = start_server(log, "--model", export_dir, "--access-log", "json", "--request-timeout",
+                                request_timeout, *server_args, timeout=300)
     heavy = long_texts(sentences, texts, chars)
     figures: dict = {"server_args": [str(a) for a in server_args], "peak_rss_mib": {}}
     try:
@@ -86,17 +107,20 @@ def serve_figures(export_dir: Path, sentences: list[str], *, task: str = "sst", 
         figures["peak_rss_mib"]["normal"] = peak_rss_mib(process.pid)
         print(f"  overload: {connections} connections at once, {texts} texts x {chars} characters each ...",
               flush=True)
+        read = log.stat().st_size
         figures["overload"] = overload(url, task, heavy, connections, client_timeout)
+        figures["overload"]["admitted"], read = admitted_answers(log, read, request_timeout)
         figures["overload"]["fresh_request_after"] = first_answer_seconds(url, task, sentences[0])
         figures["peak_rss_mib"]["overload"] = peak_rss_mib(process.pid)
         print(f"  vanishing: the same, every client hanging up after {give_up:g} s ...", flush=True)
         figures["vanishing"] = overload(url, task, heavy, connections, give_up)
+        figures["vanishing"]["admitted"], _ = admitted_answers(log, read, request_timeout)
         figures["vanishing"]["fresh_request_after"] = first_answer_seconds(url, task, sentences[0])
         figures["peak_rss_mib"]["vanishing"] = peak_rss_mib(process.pid)
     finally:
         stop_server(process)
     figures["server_exit_status"] = process.returncode
-    figures["server_log_tail"] = (scratch / "serve.log").read_text().splitlines()[-3:]
+    figures["server_log_tail"] = [line for line in log.read_text().splitlines() if not line.startswith('{"time"')][-3:]
     return figures
 
 
@@ -111,7 +135,9 @@ def report(f: dict) -> None:
         print(f"  {phase}: {o['sent']} requests, answered {o['answered']} (shed {100 * o['shed_share']:.1f}%), "
               f"{o['requests_per_second']} answered requests/s, p50 {o['latency_ms']['p50']} ms, p99 "
               f"{o['latency_ms']['p99']} ms, slowest {o['slowest_answer_s']} s; a fresh request after it: "
-              f"{o['fresh_request_after'][0]} s ({o['fresh_request_after'][1]})")
+              f"{o['fresh_request_after'][0]} s ({o['fresh_request_after'][1]}); {o['admitted']['requests']} "
+              f"admitted, the slowest answered in {o['admitted']['slowest_s']} s against a request timeout of "
+              f"{o['admitted']['request_timeout_s']:g} s")
 
 
 @app.command()
@@ -123,6 +149,8 @@ def main(model: Path = typer.Option(Path("exports/ensemble"), help="the export t
          texts: int = typer.Option(64, "--overload-texts", min=1), chars: int = typer.Option(2000, "--overload-chars"),
          give_up: float = typer.Option(1.0, min=0.1, help="seconds after which a vanishing client hangs up"),
          threads: int = typer.Option(0, min=0, help="the server's threads; 0: every core"),
+         request_timeout: float = typer.Option(30.0, min=0.1, help="the server's --request-timeout, the bound "
+                                                                   "each admitted request's answer is held to"),
          server_arg: list[str] = typer.Option([], help="one more argument for `mtbert serve` (repeat)"),
          json_out: Path = typer.Option(Path("metrics/bench-serve.json"))) -> None:
     """`mtbert serve` under normal load, overload and vanishing clients (see the module's docstring)."""
@@ -137,7 +165,7 @@ def main(model: Path = typer.Option(Path("exports/ensemble"), help="the export t
     with tempfile.TemporaryDirectory() as scratch:
         figures = serve_figures(model, sentences, task=task, clients=clients, requests=requests,
                                 connections=connections, texts=texts, chars=chars, give_up=give_up,
-                                server_args=server_args, scratch=Path(scratch))
+                                request_timeout=request_timeout, server_args=server_args, scratch=Path(scratch))
     report(figures)
     io.write_json(json_out, figures)
 

@@ -246,6 +246,10 @@ def test_serve_bench_drives_a_normal_load_an_overload_and_vanishing_clients(tmp_
     assert figures["vanishing"]["accounted_for"]
     for phase in ("overload", "vanishing"):
         assert figures[phase]["fresh_request_after"][1] == 200
+        admitted = figures[phase]["admitted"]  # the server's own log: every request it took, answered in time
+        assert admitted["requests"] > 0 and admitted["within_timeout"], admitted
+    assert figures["overload"]["admitted"]["requests"] == sum(
+        count for status, count in overload["answered"].items() if status != "429")
     assert figures["peak_rss_mib"]["vanishing"] >= figures["peak_rss_mib"]["idle"] > 50
     assert "overload: 40 requests" in result.output
 

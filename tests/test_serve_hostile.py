@@ -170,8 +170,9 @@ def test_slow_headers_and_bodies_are_cut_off_after_the_read_timeout(strict):
     slow_headers.sendall(b"POST /predict HTTP/1.1\r\nHo")
     started = time.monotonic()
     assert slow_headers.recv(1000) == b""  # closed
-    # the timeout is the behaviour: never before it, and after it with slack far beyond scheduling noise
-    assert READ_TIMEOUT * 0.9 <= time.monotonic() - started < READ_TIMEOUT + 30
+    # the timeout is the behaviour: not long before it (half of it: a margin far beyond the timer's), and after
+    # it with slack far beyond scheduling noise
+    assert READ_TIMEOUT * 0.5 <= time.monotonic() - started < READ_TIMEOUT + 30
     slow_body = half_a_body(url)
     answer = until_closed(slow_body)
     assert answer.startswith("HTTP/1.1 408 ") and "connection: close" in answer.lower()
@@ -180,14 +181,18 @@ def test_slow_headers_and_bodies_are_cut_off_after_the_read_timeout(strict):
 
 # --- in this process: an engine whose calls block until released ------------------------------------------
 class Blocking:
-    """A predictor whose calls wait for `release`; it records the rows it computed."""
+    """A predictor whose calls wait for `release`; it says when a call began and ended, and records the rows
+    it computed."""
 
     def __init__(self, tasks):
         self.tasks, self.release, self.computed = tasks, threading.Event(), []
+        self.began, self.ended = threading.Event(), threading.Event()
 
     def predict(self, task, rows):
+        self.began.set()
         self.release.wait(30)
         self.computed += [row[0] for row in rows]
+        self.ended.set()
         return [{"score": 1.0, "label": 1.0} for _ in rows]
 
 
@@ -204,12 +209,19 @@ def test_a_request_past_its_deadline_gets_503_and_is_never_computed_and_health_s
         async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport,
                                                                         base_url="http://test") as client:
             first = asyncio.ensure_future(client.post("/predict", json={"task": "sst", "texts": ["in the engine"]}))
-            await asyncio.sleep(0.1)  # the first request's call now blocks the engine
+            assert await asyncio.to_thread(engine.began.wait, 30)  # the first request's call blocks the engine
             second = await client.post("/predict", json={"task": "sst", "texts": ["queued"]})
             health = await client.get("/health")
             engine.release.set()
-            await asyncio.sleep(0.2)
-            return await first, second, health, await client.get("/health")
+            assert await asyncio.to_thread(engine.ended.wait, 30)
+            answered = await first
+            healthy = await client.get("/health")
+            for _ in range(3000):  # until the batching loop has taken the call's end in (a few ms)
+                if healthy.json()["status"] == "ok":
+                    break
+                await asyncio.sleep(0.01)
+                healthy = await client.get("/health")
+            return answered, second, health, healthy
 
     first, second, stuck, healthy = asyncio.run(scenario())
     for refused in (first, second):
@@ -250,7 +262,8 @@ def test_long_texts_go_in_short_calls_and_the_engines_speed_bounds_admission(dep
             # the engine has shown about 600 characters a second; while 4 texts wait, 12 more need about
             # 1.6 s, past half of the request timeout. Alone, they are tried.
             waiting = asyncio.ensure_future(client.post("/predict", json={"task": "sst", "texts": long_texts}))
-            await asyncio.sleep(0.05)
+            while (await client.get("/health")).json()["requests"] < 2:  # until the server holds it
+                await asyncio.sleep(0.01)
             refused = await client.post("/predict", json={"task": "sst", "texts": long_texts * 3})
             return served, await waiting, refused, await client.post("/predict", json={
                 "task": "sst", "texts": long_texts * 3})
