@@ -1,24 +1,19 @@
 """Stage `distill@<student>`: one student of the ensemble, trained on its predictions of the training rows.
 
 The student has the configuration of variant `distill.variant` with its own seed (`distill.students`), and
-runs the fine-tuning loop of `train` (mtbert/training/finetune.py) with each training row's loss blended
-from the ensemble's prediction of it and its gold label (mtbert/training/distillation.py). The teacher is
-the ensemble of metrics/ensemble.json: its members' dumps of the training split and of the transfer set
-(stage `transfer`), which `predict` writes with distill.enabled (mtbert/evaluation/teacher.py); the transfer
-rows join the training rows with the teacher's labels only. Writes, like a variant's train and predict together:
-models/<student>/ (the model folder with its card, for `mtbert predict` and `Predictor.load`),
-data/distilled/<student>/ (dev and test dumps and CS224N files; not under data/predictions/, which the
-ensemble reads), metrics/<student>.json (dev metrics) and metrics/train/<student>.json (the training
-summary); `stats` groups the students as one seed group. Resumes from checkpoints/<student>/ like `train`.
-
-With distill.enabled false it writes those outputs saying the student was skipped, in a second.
+runs `train`'s fine-tuning loop (mtbert/training/finetune.py), each training row's loss blended from the
+ensemble's prediction of it and its gold label (mtbert/training/distillation.py). The teacher is the
+ensemble of metrics/ensemble.json: its members' dumps of the training split and of the transfer set (stage
+`transfer`; mtbert/evaluation/teacher.py), whose rows join with the teacher's labels only. Writes
+models/<student>/ (with its card), data/distilled/<student>/ (dev and test dumps and CS224N files; not in
+data/predictions/, which the ensemble reads), metrics/<student>.json and metrics/train/<student>.json (dev
+metrics, training summary). Resumes like `train`; with distill.enabled false, writes its outputs saying so.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import logging
 import sys
 from pathlib import Path
@@ -29,10 +24,9 @@ from mtbert import io, layout
 from mtbert.data.tasks import tasks_from_params
 from mtbert.evaluation.evaluate import write_predictions
 from mtbert.evaluation.metrics import headline_summary
-from mtbert.evaluation.teacher import ensemble_members, ensemble_teacher, transfer_teacher
-from mtbert.model.card import CARD_FILE, student_card
-from mtbert.model.saved import CONFIG_FILE, load_model, write_checksums
-from mtbert.params import Params
+from mtbert.evaluation.teacher import ensemble_members, ensemble_teacher, teacher_record, transfer_teacher
+from mtbert.model.card import CARD_FILE
+from mtbert.model.saved import describe_student, load_model
 from mtbert.params_file import load_params, require_student, student_params
 from mtbert.runtime import run_app, setup_logging, use_bf16
 from mtbert.training import finetune
@@ -63,15 +57,6 @@ def skip(outputs: Outputs, student: str) -> None:
             (temp / CARD_FILE).write_text(note, encoding="utf-8")
     for path in (outputs.metrics, outputs.summary):
         io.write_metrics(path, {"enabled": False})
-
-
-def describe_student(model_dir: Path, summary: dict, params: Params, record: dict) -> None:
-    """The model folder's config records what taught the student, and its card says it."""
-    config = json.loads((model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
-    io.write_json(model_dir / CONFIG_FILE, {**config, "distill": record})
-    card = student_card(summary, config["params"], tasks_from_params(params.tasks), str(model_dir), record)
-    io.write_text(model_dir / CARD_FILE, card)
-    write_checksums(model_dir)  # of the files as they now are
 
 
 @app.command()
@@ -119,11 +104,7 @@ def main(student: str = typer.Option(..., "--student", help="a key of distill.st
     # dumps: held beside it, they made this process the run's memory peak.
     del run, distillation
     gc.collect()
-    members = ensemble_members(ensemble_file, tasks)
-    record = {"variant": distill.variant, "seed": own.train.seed, "alpha": distill.alpha,
-              "temperature": distill.temperature, "transfer": transfer_rows,
-              "transfer_weight": distill.transfer.weight,
-              "members": {name: {m: order.count(m) for m in dict.fromkeys(order)} for name, order in members.items()}}
+    record = teacher_record(distill, own.train.seed, transfer_rows, ensemble_members(ensemble_file, tasks))
     describe_student(outputs.model, summary, own, record)
     model, _ = load_model(outputs.model)
     model.to(device)

@@ -16,20 +16,24 @@ import logging
 from itertools import combinations
 from pathlib import Path
 
-import numpy as np
 import typer
 
 from mtbert import io, layout
 from mtbert.data.batches import load_split
 from mtbert.data.tasks import tasks_from_params
-from mtbert.evaluation.candidates import epoch_folders
-from mtbert.evaluation.ensemble import honest_epoch_choice
 from mtbert.evaluation.metrics import overall, task_metrics
 from mtbert.evaluation.predictions import read_aligned
 from mtbert.evaluation.report import curve_rows, curves_table
-from mtbert.evaluation.seeds import compare_groups, group_statistics, seed_groups, spread
-from mtbert.params import Params
-from mtbert.params_file import load_params, read_yaml, variant_params
+from mtbert.evaluation.seeds import (
+    compare_groups,
+    group_statistics,
+    honest_group,
+    seed_groups,
+    seed_of,
+    spread,
+    student_groups,
+)
+from mtbert.params_file import load_params, read_yaml
 from mtbert.runtime import MissingInputError, run_app, setup_logging
 
 log = logging.getLogger("stats")
@@ -87,36 +91,6 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
                  result["overall"]["low"], result["overall"]["high"])
     io.write_metrics(stats_file, report)
     io.write_text(curves_file, curves_table(curves))
-
-
-def honest_group(variants: list[str], snapshots_dir: Path, dev_splits: dict, tasks: dict) -> dict:
-    """The group's per-task epoch choice estimated honestly (mtbert/evaluation/ensemble.py
-    `honest_epoch_choice`) from each variant's every-epoch dev dumps: mean ± std over the seeds of each
-    task's headline and of their overall mean."""
-    per_variant = []
-    for variant in variants:
-        folders = epoch_folders(snapshots_dir / variant)
-        if not folders:
-            raise MissingInputError(f"{snapshots_dir / variant} has no epoch-<E> dumps; run `dvc repro` for "
-                                    f"train@{variant}")
-        scores = {name: honest_epoch_choice(task, [read_aligned(folder, task, "dev", dev_splits[name].ids)
-                                                   for folder in folders], dev_splits[name].labels,
-                                            dev_splits[name].ids)["score"] for name, task in tasks.items()}
-        per_variant.append({**scores, "overall": float(np.mean(list(scores.values())))})
-    return {name: spread([scores[name] for scores in per_variant]) for name in [*tasks, "overall"]}
-
-
-def student_groups(params: Params) -> dict[str, list[str]]:
-    """The distilled students as one seed group, named after the first; none with distill.enabled false."""
-    students = list(params.distill.students) if params.distill.enabled else []
-    return {students[0]: students} if students else {}
-
-
-def seed_of(params_file: Path, params: Params, name: str) -> int:
-    """The train.seed of a variant or a distilled student."""
-    if params.distill.enabled and name in params.distill.students:
-        return params.distill.students[name]
-    return variant_params(params_file, name).train.seed
 
 
 def read_summary(path: Path) -> dict:

@@ -10,11 +10,18 @@ percentiles of the resampled differences bound the difference.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 
 from mtbert.data.tasks import Task
+from mtbert.evaluation.candidates import epoch_folders
+from mtbert.evaluation.ensemble import honest_epoch_choice
 from mtbert.evaluation.metrics import headline
+from mtbert.evaluation.predictions import read_aligned
+from mtbert.params import Params
+from mtbert.params_file import variant_params
+from mtbert.runtime import MissingInputError
 from mtbert.variants import merged_variant
 
 # Params that decide how fast a variant runs or how others are combined, not what the variant computes.
@@ -90,3 +97,34 @@ def compare_groups(tasks: dict[str, Task], group_a: dict[str, list[np.ndarray]],
         differences.append(difference)
     result["overall"] = interval(float(np.mean(differences)), np.mean(all_replicates, axis=0), confidence)
     return result
+
+
+# --- the groups of stage `stats` ---------------------------------------------------------------------------
+def honest_group(variants: list[str], snapshots_dir: Path, dev_splits: dict, tasks: dict) -> dict:
+    """The group's per-task epoch choice estimated honestly (mtbert/evaluation/ensemble.py
+    `honest_epoch_choice`) from each variant's every-epoch dev dumps: mean ± std over the seeds of each
+    task's headline and of their overall mean."""
+    per_variant = []
+    for variant in variants:
+        folders = epoch_folders(snapshots_dir / variant)
+        if not folders:
+            raise MissingInputError(f"{snapshots_dir / variant} has no epoch-<E> dumps; run `dvc repro` for "
+                                    f"train@{variant}")
+        scores = {name: honest_epoch_choice(task, [read_aligned(folder, task, "dev", dev_splits[name].ids)
+                                                   for folder in folders], dev_splits[name].labels,
+                                            dev_splits[name].ids)["score"] for name, task in tasks.items()}
+        per_variant.append({**scores, "overall": float(np.mean(list(scores.values())))})
+    return {name: spread([scores[name] for scores in per_variant]) for name in [*tasks, "overall"]}
+
+
+def student_groups(params: Params) -> dict[str, list[str]]:
+    """The distilled students as one seed group, named after the first; none with distill.enabled false."""
+    students = list(params.distill.students) if params.distill.enabled else []
+    return {students[0]: students} if students else {}
+
+
+def seed_of(params_file: Path, params: Params, name: str) -> int:
+    """The train.seed of a variant or a distilled student."""
+    if params.distill.enabled and name in params.distill.students:
+        return params.distill.students[name]
+    return variant_params(params_file, name).train.seed

@@ -64,3 +64,13 @@ def ensemble_teacher(ensemble_file: Path, predictions_dir: Path,
     """Per task, the training rows' ids and the ensemble's predictions of them."""
     members = ensemble_members(ensemble_file, tasks)
     return {name: training_predictions(predictions_dir, task, members[name]) for name, task in tasks.items()}
+
+
+def teacher_record(distill, seed: int, transfer_rows: dict[str, int], members: dict[str, list[str]]) -> dict:
+    """What taught a student, as its model folder's config and its metrics record it: the variant and seed it
+    was trained as, the blend of soft and gold labels, the transfer rows per task, and each task's members
+    with how many times each is in the ensemble."""
+    return {"variant": distill.variant, "seed": seed, "alpha": distill.alpha, "temperature": distill.temperature,
+            "transfer": transfer_rows, "transfer_weight": distill.transfer.weight,
+            "members": {name: {member: order.count(member) for member in dict.fromkeys(order)}
+                        for name, order in members.items()}}

@@ -25,7 +25,7 @@ from torch import nn
 from mtbert import io
 from mtbert.integrity import verify, write_manifest
 from mtbert.model.architectures import SHARED_DIR
-from mtbert.model.card import CARD_FILE
+from mtbert.model.card import CARD_FILE, student_card
 from mtbert.model.files import ModelFolderError, load_local_encoder, load_safetensors
 from mtbert.model.multitask import MultitaskModel
 
@@ -179,3 +179,15 @@ def load_heads(model: MultitaskModel, heads_path: Path, config_path: Path) -> No
         detail = " ".join(str(error).split())
         raise ModelFolderError(f"{heads_path}: not the heads {config_path.name} declares ({detail[:300]}); "
                                f"{RESTORE_OR_RETRAIN}") from None
+
+
+def describe_student(model_dir: Path, summary: dict, params, record: dict) -> None:
+    """A distilled student's folder records what taught it (`record`, in its config) and its card says it;
+    its checksums are then written anew, of the files as they now are."""
+    from mtbert.data.tasks import tasks_from_params
+
+    config = json.loads((model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    io.write_json(model_dir / CONFIG_FILE, {**config, "distill": record})
+    card = student_card(summary, config["params"], tasks_from_params(params.tasks), str(model_dir), record)
+    io.write_text(model_dir / CARD_FILE, card)
+    write_checksums(model_dir)
