@@ -152,14 +152,15 @@ def read_parquet(path: Path | str, columns: tuple[str, ...], remedy: str) -> pa.
     (the caller checks that the file is there)."""
     try:
         table = pq.read_table(path, page_checksum_verification=True)
+        recorded = (table.schema.metadata or {}).get(DIGEST_KEY)
+        whole = recorded == content_digest(table).encode()
     except (pa.ArrowException, OSError, UnicodeDecodeError) as error:  # the last: a name in a damaged footer
         detail = " ".join(str(error).split()).split(f"'{path}': ", 1)[-1]  # pyarrow repeats the path
         raise UnreadableInputError(f"{path}: not a readable Parquet file ({detail}); {remedy}") from error
-    recorded = (table.schema.metadata or {}).get(DIGEST_KEY)
     if recorded is None:
         raise UnreadableInputError(f"{path}: holds no {DIGEST_KEY.decode()} digest of its content (written by "
                                    f"another program or an older mtbert, or damaged); {remedy}")
-    if recorded != content_digest(table).encode():
+    if not whole:
         raise UnreadableInputError(f"{path}: its content is not what was written (its {DIGEST_KEY.decode()} "
                                    f"digest differs): damaged; {remedy}")
     missing = [name for name in columns if name not in table.column_names]
