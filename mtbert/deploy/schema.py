@@ -28,11 +28,11 @@ ERRORS = {  # status -> what it means, as the server answers it
     500: "the engine failed on this request; the log has the details under its request id",
     503: "not answered within `--request-timeout`, or the server is shutting down",
 }
-RETRY_AFTER_STATUSES = (429, 503)
+RETRY_AFTER_STATUSES = (429, 503)  # the answers that say when to send the request again
 # A text of only spaces, control, format, private-use or unassigned characters (Unicode's Z and C, after NFKC)
 # is refused: the tokenizer would see nothing in it. JSON Schema has no pattern for Unicode categories that
 # every validator reads alike, so the document names the rule as a format of its own.
-VISIBLE_TEXT = "visible-text"  # the answers that say when to send the request again
+VISIBLE_TEXT = "visible-text"
 
 
 def error(status: int) -> dict:
