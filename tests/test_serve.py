@@ -447,8 +447,7 @@ def test_a_retrying_client_gets_every_answer_once_across_a_drain_and_a_restart(d
     by_first, by_second = answered(tmp_path / "first.log"), answered(tmp_path / "second.log")
     assert by_first + by_second == collections.Counter(str(number) for number in range(requests))  # each once
     assert by_second, "the second server answered none: the restart was not under load"
-    retries = sum(sent.values()) - requests
+    retries = sum(sent.values()) - requests  # counted, not bounded: a drain need not refuse any request
     print(f"\n  first server answered {len(by_first)}, second {len(by_second)}; {retries} retries")
-    assert retries >= 1  # the drain refused or dropped some, and they came back
     for log in ("first.log", "second.log"):
         assert "Traceback" not in (tmp_path / log).read_text()

@@ -262,7 +262,9 @@ def test_long_texts_go_in_short_calls_and_the_engines_speed_bounds_admission(dep
             # the engine has shown about 600 characters a second; while 4 texts wait, 12 more need about
             # 1.6 s, past half of the request timeout. Alone, they are tried.
             waiting = asyncio.ensure_future(client.post("/predict", json={"task": "sst", "texts": long_texts}))
-            while (await client.get("/health")).json()["requests"] < 2:  # until the server holds it
+            for _ in range(3000):  # until the server holds it (a few ms; 30 s at most)
+                if (await client.get("/health")).json()["requests"] >= 2 or waiting.done():
+                    break
                 await asyncio.sleep(0.01)
             refused = await client.post("/predict", json={"task": "sst", "texts": long_texts * 3})
             return served, await waiting, refused, await client.post("/predict", json={
