@@ -4,9 +4,9 @@ the pipeline ends on the uninterrupted run's outputs, to their hashes in dvc.loc
 A tiny pipeline (2-layer backbone, 16 rows per split, two members, masked-LM pretraining, a distilled
 student and both exports) runs once uninterrupted; that run's dvc.lock is the reference, and the time
 each stage took sets the range its kill moments are drawn from. Then, per stage kind (KINDS, each one),
-`dvc repro -f -s <stage>` is killed a moment after the stage's own command starts, and the test asserts that
-the kill landed while that command still worked (a kill that came after it is tried again earlier), and is
-run again (`-f`: a plain `dvc repro` would check the
+`dvc repro -f -s <stage>` is killed a moment after the stage's own command starts, if that command still
+works then (a moment past its end is tried again earlier), and the test asserts that a kill landed while it
+worked; then the stage is run again (`-f`: a plain `dvc repro` would check the
 reference's outputs out of DVC's cache, and the stage's own atomic writes and resumption would go
 unexercised). That run starts from whatever the kill left (a checkpoint, a half-written folder or file,
 which the run must remove), and after it and a plain `dvc repro` (which runs again only what reads a
@@ -130,8 +130,13 @@ def running(process: psutil.Process) -> bool:
 
 def kill_at(repo: Path, stage: str, moment: float) -> str:
     """`dvc repro -f -s stage`, SIGKILLed with every process it started `moment` s after the stage's command
-    began: "mid-work" when that command was still running at the kill, "after the command" when only DVC
-    was (hashing the outputs, writing dvc.lock), "finished" when all had ended."""
+    began, if that command still works then: "mid-work". Otherwise nothing is killed and the run ends:
+    "after the command" when DVC alone was still at work, "finished" when all had ended.
+
+    The whole group is stopped (SIGSTOP) before the command is looked at, so that the answer cannot change
+    before the kill. DVC is never killed after the command: it writes dvc.lock in place (`open(path, "w+")`,
+    dvc/utils/serialize/_common.py), and a kill during that write leaves a dvc.lock it cannot read, a limit of
+    DVC's that no stage can repair (docs/training.md says what to do)."""
     process = subprocess.Popen(["dvc", "repro", "-f", "-s", stage], cwd=repo, env=dvc_env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     command, deadline = None, time.monotonic() + 300
@@ -141,10 +146,14 @@ def kill_at(repo: Path, stage: str, moment: float) -> str:
     time.sleep(moment)
     if process.poll() is not None:
         return "finished"
-    outcome = "mid-work" if command is not None and running(command) else "after the command"
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    return outcome
+    os.killpg(process.pid, signal.SIGSTOP)
+    if command is not None and running(command):
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return "mid-work"
+    os.killpg(process.pid, signal.SIGCONT)
+    assert process.wait() == 0, f"{stage}: `dvc repro -f -s {stage}` failed after it was stopped and resumed"
+    return "after the command"
 
 
 def killed_stages(seconds: dict[str, float]) -> list[str]:
