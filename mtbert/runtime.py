@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -67,6 +69,16 @@ def limit_memory_growth(onednn_cache: int, malloc_threshold_mb: int) -> None:
             if libc.mallopt(parameter, size) != 1:
                 raise UserError(f"runtime.malloc_threshold_mb: glibc's mallopt refused {malloc_threshold_mb} MB; "
                                 "expected a size it accepts, or 0 to leave glibc's default")
+
+
+def graph_heap_mb(model_dirs: list[Path], floor_mb: int) -> int:
+    """glibc's mmap threshold for a stage that exports the models in `model_dirs`: twice their largest weights
+    file, or `floor_mb` (runtime.malloc_threshold_mb) if larger. An export copies the whole graph, about one
+    encoder's weights, dozens of times (the exporter, the fusions' shape inference, int8). Above the threshold
+    each copy gets its own mapping, returned on free, so the next one faults in fresh zeroed pages: a third of
+    the export's time went to the kernel (docs/performance.md, the memory knobs)."""
+    sizes = [path.stat().st_size for folder in model_dirs for path in folder.rglob("*.safetensors")]
+    return max(floor_mb, math.ceil(2 * max(sizes, default=0) / 2 ** 20))
 
 
 def peak_rss_gib() -> float:

@@ -19,7 +19,7 @@ import typer
 from mtbert import io, layout
 from mtbert.export.variant import export_variant
 from mtbert.params_file import load_params, student_params, variant_params
-from mtbert.runtime import limit_memory_growth, run_app, setup_logging, setup_torch
+from mtbert.runtime import graph_heap_mb, limit_memory_growth, run_app, setup_logging, setup_torch
 
 log = logging.getLogger("export")
 app = typer.Typer(add_completion=False)
@@ -50,7 +50,8 @@ def main(name: str = typer.Option(..., "--model", help="a key of `models:` or of
         return
     # a student has its variant's params; a variant may override export's keys
     params = student_params(params_file, name) if is_student else variant_params(params_file, name)
-    limit_memory_growth(params.runtime.onednn_cache, params.runtime.malloc_threshold_mb)
+    heap_mb = graph_heap_mb([models_dir / name], params.runtime.malloc_threshold_mb)
+    limit_memory_growth(params.runtime.onednn_cache, heap_mb)
     setup_torch(seed=0, threads=params.runtime.threads)
     tokenized_dir = layout.tokenized_of(distill.variant if is_student else name, tokenized_dir)
     report = export_variant(models_dir / name, exports_dir / name, params.export, tokenized_dir,

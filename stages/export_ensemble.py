@@ -18,9 +18,10 @@ import typer
 
 from mtbert import io
 from mtbert.data.tasks import tasks_from_params
+from mtbert.deploy.members import read_members
 from mtbert.export.ensemble import export_ensemble
 from mtbert.params_file import load_params
-from mtbert.runtime import limit_memory_growth, run_app, setup_logging, setup_torch
+from mtbert.runtime import graph_heap_mb, limit_memory_growth, run_app, setup_logging, setup_torch
 
 log = logging.getLogger("export")
 app = typer.Typer(add_completion=False)
@@ -37,7 +38,9 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
          metrics_file: Path = typer.Option(Path("metrics/export/ensemble.json"))) -> None:
     setup_logging()
     params = load_params(params_file)
-    limit_memory_growth(params.runtime.onednn_cache, params.runtime.malloc_threshold_mb)
+    members = {name for order in read_members(ensemble_file).values() for name in order}
+    heap_mb = graph_heap_mb([models_dir / name for name in members], params.runtime.malloc_threshold_mb)
+    limit_memory_growth(params.runtime.onednn_cache, heap_mb)
     setup_torch(seed=0, threads=params.runtime.threads)
     report = export_ensemble(ensemble_file, models_dir, dumps_dir, out_dir, tasks_from_params(params.tasks),
                              params.export, tokenized_root, params.runtime.threads)

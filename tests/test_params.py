@@ -322,6 +322,22 @@ def test_memory_caps_reach_onednn_and_glibc_before_any_work():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
+def test_an_export_keeps_blocks_of_twice_its_largest_weights_file_on_the_heap(tmp_path):
+    """The export stages' mmap threshold: twice the largest weights file of the models they export (a graph is
+    about one encoder's weights), in whole MiB, or runtime.malloc_threshold_mb where that is larger."""
+    from mtbert.runtime import graph_heap_mb
+
+    for folder, sizes in {"a/epoch-1/encoder": [3 * 2**20 + 1], "a/epoch-2/encoder": [2**20], "b": [5 * 2**20]}.items():
+        (tmp_path / folder).mkdir(parents=True)
+        for i, size in enumerate(sizes):
+            (tmp_path / folder / f"model{i}.safetensors").write_bytes(b"\0" * size)
+    (tmp_path / "b" / "tokenizer.json").write_bytes(b"\0" * 9 * 2**20)  # not weights
+    assert graph_heap_mb([tmp_path / "a"], 0) == 7  # 2 x (3 MiB + 1 byte), rounded up
+    assert graph_heap_mb([tmp_path / "a", tmp_path / "b"], 0) == 10
+    assert graph_heap_mb([tmp_path / "a"], 16) == 16
+    assert graph_heap_mb([tmp_path / "missing"], 16) == 16
+
+
 @pytest.mark.parametrize("override", [{"heads": None}, {"heads": {"sts": None}}])
 def test_a_variants_null_over_a_shared_mapping_is_refused(raw_params, override):
     raw_params["models"] = {"base": {}, "reset": override}
