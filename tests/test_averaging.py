@@ -46,8 +46,6 @@ def test_the_first_update_of_the_debiased_average_is_the_trained_weights():
 def test_frozen_weights_are_not_lerped_and_the_average_equals_torchs_averaged_model(debiased):
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-    from mtbert.training.averaging import debiased_ema
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 2), nn.BatchNorm1d(2))  # BatchNorm: buffers that move
     model[0].weight.requires_grad_(False)  # frozen, as the embeddings are with train.embedding_lr_factor 0
@@ -66,6 +64,53 @@ def test_frozen_weights_are_not_lerped_and_the_average_equals_torchs_averaged_mo
         assert torch.equal(ours.state_dict()[name], value), name
     assert torch.equal(ours.model[0].weight, model[0].weight)
     assert int(ours.state_dict()["n_averaged"]) == 5
+
+
+def debiased_ema(decay: float):
+    """AveragedModel's multi_avg_fn for the debiased average, the count read on the host: update t lerps by
+    (1 - d) / (1 - d^t), the number the average computes on the device."""
+    @torch.no_grad()
+    def update(averaged: list[torch.Tensor], current: list[torch.Tensor], updates: torch.Tensor) -> None:
+        torch._foreach_lerp_(averaged, current, (1 - decay) / (1 - decay ** int(updates)))
+    return update
+
+
+def test_the_update_reads_no_number_on_the_host_so_a_cuda_graph_can_hold_it():
+    """On the `meta` device, every update after the first (which takes the count from AveragedModel's) makes no
+    host tensor and reads no device value: the same update runs eager and captured (training/capture.py)."""
+    from tests.test_families import HostTensors
+
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)).to("meta")
+    for debiased in (True, False):
+        average = MovingAverage(model, 0.9, debiased=debiased)
+        average.update(model)
+        recorder = HostTensors()
+        with recorder:
+            average.update(model)
+            average.update(model)
+        assert recorder.found == [], recorder.found
+
+
+def test_an_average_restored_from_its_state_goes_on_as_the_uninterrupted_one():
+    """A checkpoint holds the count the device kept: the restored average takes it up and ends on the same bits."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    steps = [torch.randn(3, 4) for _ in range(6)]
+    uninterrupted, first = MovingAverage(model, 0.9, debiased=True), MovingAverage(model, 0.9, debiased=True)
+    for i, step in enumerate(steps):
+        with torch.no_grad():
+            model.weight.add_(step)
+        uninterrupted.update(model)
+        if i < 3:
+            first.update(model)
+        if i == 2:
+            resumed = MovingAverage(model, 0.9, debiased=True)
+            resumed.load_state_dict(first.state_dict())
+            assert int(resumed.state_dict()["n_averaged"]) == 4  # the copy and three updates
+        if i > 2:
+            resumed.update(model)
+    for name, value in uninterrupted.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name
 
 
 def test_shared_frozen_weights_are_the_models_own_and_the_average_is_unchanged():

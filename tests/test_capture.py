@@ -19,7 +19,6 @@ from mtbert.data.batches import load_split
 from mtbert.data.tasks import tasks_from_params
 from mtbert.params_file import variant_params, with_changes
 from mtbert.training import finetune
-from mtbert.training.averaging import MovingAverage, OnDeviceAverage
 from mtbert.training.capture import CapturedSteps, DeviceLrs, Reruns, capture_blocker, device_work, one_width
 from mtbert.training.checkpoint import restore
 from mtbert.training.distributed import Ranks
@@ -96,7 +95,6 @@ def test_a_captured_run_trains_what_the_eager_run_trains(tmp_path, dropout_free_
     print(f"\n  {replayed.summary()}")
     assert replayed.graphs and replayed.replays > 0 and not replayed.failed
     assert replayed.replays + replayed.eager_steps == run.steps_per_epoch
-    assert isinstance(run.average, OnDeviceAverage)
     exact = run.device.type == "cpu"
     assert summary["epochs"][0]["examples"] == eager_summary["epochs"][0]["examples"]
     for task, loss in eager_summary["epochs"][0]["train_loss"].items():
@@ -176,25 +174,6 @@ def test_a_bi_encoder_batch_at_one_width_computes_what_two_widths_compute(tmp_pa
         on_device = {name: tensor.to(run.device) for name, tensor in batch.items()}
         assert torch.equal(run.model("sts", on_device),
                            run.model("sts", {name: tensor.to(run.device) for name, tensor in widened.items()}))
-
-
-def test_the_moving_averages_device_update_follows_its_host_update():
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 4)
-    host = MovingAverage(model, 0.9, debiased=True)
-    device = MovingAverage(model, 0.9, debiased=True).on_device()
-    for _ in range(5):
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.add_(torch.randn_like(parameter))
-        host.update(model)
-        device.update(model)
-    assert int(host.state_dict()["n_averaged"]) == int(device.state_dict()["n_averaged"]) == 6
-    for a, b in zip(host.model.parameters(), device.model.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-    restored = MovingAverage(model, 0.9, debiased=True).on_device()
-    restored.load_state_dict(device.state_dict())
-    assert restored.device_count is None  # taken again from the restored count at the next update
 
 
 def test_the_lr_vector_is_read_while_recording_and_refilled_from_the_schedules_numbers():

@@ -16,7 +16,7 @@ copy their batch into the buffers and replay. What the graph machinery adds arou
 - the lr: a graph cannot read the host's numbers, so while a graph is recorded each group's lr is a view
   into one device vector, which is refilled from the LR schedule's numbers with one copy before each
   replay (`DeviceLrs`); AdamW runs in its capturable form (its step count on the device);
-- the moving average counts its updates on the device (training/averaging.py's `OnDeviceAverage`);
+- the moving average counts its updates on the device, captured or not (training/averaging.py);
 - a bi-encoder batch has both sentences at one width (`one_width`): one key per width, not per pair;
 - the losses are copied out of the graph's buffers, which the next replay overwrites.
 
@@ -102,7 +102,6 @@ class CapturedSteps:
         self.failed = False  # a recording failed: eager steps from then on
         self.replays = self.eager_steps = 0
         run.objective.autocast_cache = False  # a graph must not hold casts cached by another step's pass
-        run.average = run.average.on_device()  # the average's update reads no number on the host
 
     def __call__(self, run, progress, pieces: Pieces, ends_update: bool) -> list[BatchLoss]:
         """The step's device work (`compute`'s): eager at a key's first step, recorded at its second, replayed
