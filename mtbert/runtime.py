@@ -75,8 +75,8 @@ def graph_heap_mb(model_dirs: list[Path], floor_mb: int) -> int:
     """glibc's mmap threshold for a stage that exports the models in `model_dirs`: twice their largest weights
     file, or `floor_mb` (runtime.malloc_threshold_mb) if larger. An export copies the whole graph, about one
     encoder's weights, dozens of times (the exporter, the fusions' shape inference, int8). Above the threshold
-    each copy gets its own mapping, returned on free, so the next one faults in fresh zeroed pages: a third of
-    the export's time went to the kernel (docs/performance.md, the memory knobs)."""
+    each copy gets its own mapping, returned on free, so the next one faults in fresh zeroed pages
+    (docs/performance.md, the memory knobs)."""
     sizes = [path.stat().st_size for folder in model_dirs for path in folder.rglob("*.safetensors")]
     return max(floor_mb, math.ceil(2 * max(sizes, default=0) / 2 ** 20))
 
