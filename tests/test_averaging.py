@@ -42,6 +42,15 @@ def test_the_first_update_of_the_debiased_average_is_the_trained_weights():
     assert torch.equal(average.model.weight, model.weight) and torch.equal(average.model.bias, model.bias)
 
 
+def debiased_ema(decay: float):
+    """AveragedModel's multi_avg_fn for the debiased average, the count read on the host: update t lerps by
+    (1 - d) / (1 - d^t), the number the average computes on the device."""
+    @torch.no_grad()
+    def update(averaged: list[torch.Tensor], current: list[torch.Tensor], updates: torch.Tensor) -> None:
+        torch._foreach_lerp_(averaged, current, (1 - decay) / (1 - decay ** int(updates)))
+    return update
+
+
 @pytest.mark.parametrize("debiased", [True, False])  # train.ema's average, and SMART's teacher
 def test_frozen_weights_are_not_lerped_and_the_average_equals_torchs_averaged_model(debiased):
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -64,15 +73,6 @@ def test_frozen_weights_are_not_lerped_and_the_average_equals_torchs_averaged_mo
         assert torch.equal(ours.state_dict()[name], value), name
     assert torch.equal(ours.model[0].weight, model[0].weight)
     assert int(ours.state_dict()["n_averaged"]) == 5
-
-
-def debiased_ema(decay: float):
-    """AveragedModel's multi_avg_fn for the debiased average, the count read on the host: update t lerps by
-    (1 - d) / (1 - d^t), the number the average computes on the device."""
-    @torch.no_grad()
-    def update(averaged: list[torch.Tensor], current: list[torch.Tensor], updates: torch.Tensor) -> None:
-        torch._foreach_lerp_(averaged, current, (1 - decay) / (1 - decay ** int(updates)))
-    return update
 
 
 def test_the_update_reads_no_number_on_the_host_so_a_cuda_graph_can_hold_it():
