@@ -167,6 +167,47 @@ def test_the_export_command_writes_an_export_that_predicts_like_the_stages(deplo
     assert np.abs(values - dump_values(deployed.predictions / "cross" / "qqp-dev.parquet")).max() <= TOLERANCE
 
 
+@pytest.mark.slow(reason="a whole export of a 2-layer variant")
+def test_the_graphs_are_fused_after_the_model_is_dropped_and_without_their_weights(deployed, tmp_path, monkeypatch):
+    """The optimizer copies a graph several times over, and the model's memory would add to it. So PyTorch's
+    part (the traced graphs, the parity rows) comes first and the model goes; and the optimizer is handed
+    the graph's structure, its weight matrices left in a file until it is done."""
+    import weakref
+
+    import onnxruntime.transformers.optimizer as optimizer
+
+    import mtbert.export.variant as variant
+    from mtbert.params_file import load_params
+
+    models, alive_while_fusing, largest_bytes_seen = [], [], []
+    load_model, fuse_layers, optimize_model = variant.load_model, variant.fuse_layers, optimizer.optimize_model
+
+    def load(model_dir):
+        model, config = load_model(model_dir)
+        models.append(weakref.ref(model))
+        return model, config
+
+    def fuse(path, config, expected):
+        alive_while_fusing.append(models[0]() is not None)
+        fuse_layers(path, config, expected)
+
+    def optimize(graph, **options):
+        largest_bytes_seen.append(max(len(tensor.raw_data) for tensor in graph.graph.initializer))
+        return optimize_model(graph, **options)
+
+    monkeypatch.setattr(variant, "load_model", load)
+    monkeypatch.setattr(variant, "fuse_layers", fuse)
+    monkeypatch.setattr(optimizer, "optimize_model", optimize)
+    options = load_params(deployed.params_file).export.model_copy(update={"int8": False})
+    report = variant.export_variant(deployed.models / "bi", tmp_path / "bi", options, deployed.tokenized, threads=1)
+    assert alive_while_fusing == [False] * len(TASKS)
+    # only the small constants (under onnx's 1 KiB threshold) in memory; every weight's bytes on disk
+    assert len(largest_bytes_seen) == len(TASKS) and max(largest_bytes_seen) < 1024
+    assert max(report["parity"]["max_abs_difference"].values()) <= options.tolerance  # fused, against PyTorch
+    # one file per graph again (no weights file left), each as the manifest lists it
+    assert sorted(verify(tmp_path / "bi")["files"]) == sorted(["tokenizer.json", *(f"{task}.onnx" for task in TASKS)])
+
+
 # --- integrity ------------------------------------------------------------------------------------------
 def test_write_manifest_and_verify_name_the_file_that_changed(tmp_path):
     (tmp_path / "sub").mkdir()

@@ -23,8 +23,10 @@ columns, encoding, cleaning, truncation, default engine and each file's sha256.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io as text_io
 import logging
+import os
 import time
 import warnings
 from collections.abc import Iterator
@@ -33,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from mtbert import io
 from mtbert.data.batches import TaskSplit, load_split
@@ -43,12 +45,12 @@ from mtbert.deploy.engine import EXPORT_FORMAT, OnnxPredictor, batch_feed, encod
 from mtbert.evaluation.evaluate import predict_split
 from mtbert.evaluation.metrics import overall, task_metrics
 from mtbert.export.quantize import quantize
-from mtbert.integrity import read_manifest, write_manifest
+from mtbert.integrity import write_manifest
 from mtbert.model.architectures import SHARED_DIR, attention_implementation
 from mtbert.model.backbone import load_tokenizer as load_hf_tokenizer
 from mtbert.model.saved import TaskSnapshots, epoch_dir, load_model
 from mtbert.params import ExportParams
-from mtbert.runtime import UserError
+from mtbert.runtime import UserError, release_heap
 
 log = logging.getLogger("export")
 
@@ -96,21 +98,41 @@ class PairGraph(nn.Module):
         return model.predictions(task, model.tasks[task].kind.head_output(out, params, cosine))
 
 
+@dataclasses.dataclass
+class Traced:
+    """What the PyTorch side of an export leaves: the manifest of its unfused fp32 graphs, the tasks, their
+    dev splits, PyTorch's predictions of each task's first dev rows (the parity check's reference) and
+    what the fusions need to know of the encoder."""
+    manifest: dict
+    tasks: dict[str, Task]
+    dev: dict[str, TaskSplit]
+    expected: dict[str, np.ndarray]
+    encoder: PretrainedConfig
+    fusions: tuple[str, ...]
+
+
 def export_variant(model_dir: Path, out_dir: Path, options: ExportParams, tokenized_dir: Path,
                    threads: int = 0) -> dict:
     """Write the export of the variant in `model_dir` to `out_dir` (whole or not at all); its report, for
-    the metrics file."""
-    model, config = load_model(model_dir)
-    dev = {name: load_split(tokenized_dir, task, "dev") for name, task in model.tasks.items()}
+    the metrics file. PyTorch's part (the graphs traced, the parity check's reference rows) comes first, and
+    the model is dropped before anything else holds memory: the export's peak is then the model's or ONNX
+    Runtime's, not their sum (docs/performance.md, the export's memory)."""
     with io.atomic_dir(out_dir) as temp:
-        manifest = write_fp32(model, model_dir, config, temp, options.opset)
-        parity = {name: check_parity(model, temp, name, dev[name], options, threads) for name in model.tasks}
+        traced = trace(model_dir, temp, options, tokenized_dir)
+        release_heap()
+        manifest, dev = traced.manifest, traced.dev
+        for entry in manifest["tasks"].values():
+            fuse_layers(temp / entry["graphs"]["onnx"], traced.encoder, traced.fusions)
+            release_heap()  # the optimizer's copies of this graph, which cycles keep, before the next one's
+        write_manifest(temp, manifest)  # the fused graphs' digests
+        parity = {name: check_parity(temp, manifest, name, traced.expected[name], dev[name], options, threads)
+                  for name in traced.tasks}
         engines = ["onnx", "int8"] if options.int8 else ["onnx"]
         if options.int8:
             write_int8(temp, manifest, options.int8_per_channel)
         predictors = {engine: OnnxPredictor(temp, manifest, engine=engine, batch_size=options.batch_size,
                                             threads=threads) for engine in engines}
-        report = measure(predictors, dev, model.tasks, options)
+        report = measure(predictors, dev, traced.tasks, options)
         report["parity"] = {"tolerance": options.tolerance, "rows": min(options.check_rows, *map(len, dev.values())),
                             "max_abs_difference": parity}
         report["size_mb"] = {engine: graph_megabytes(temp, manifest["tasks"], engine) for engine in engines}
@@ -120,9 +142,22 @@ def export_variant(model_dir: Path, out_dir: Path, options: ExportParams, tokeni
     return report
 
 
+def trace(model_dir: Path, folder: Path, options: ExportParams, tokenized_dir: Path) -> Traced:
+    """The PyTorch side of the export: the model loaded, its unfused graphs written to `folder`, and its
+    predictions of each task's first `options.check_rows` dev rows. The model is not kept."""
+    model, config = load_model(model_dir)
+    dev = {name: load_split(tokenized_dir, task, "dev") for name, task in model.tasks.items()}
+    manifest = write_fp32(model, model_dir, config, folder, options.opset)
+    expected = {name: predict_split(model, first_rows(dev[name], options.check_rows), CHECK_BATCH,
+                                    torch.device("cpu")) for name in model.tasks}
+    one = model.for_task(next(iter(model.tasks))) if isinstance(model, TaskSnapshots) else model
+    return Traced(manifest=manifest, tasks=model.tasks, dev=dev, expected=expected,
+                  encoder=encoder_config(one), fusions=one.family.fusions)
+
+
 def write_fp32(model: nn.Module, model_dir: Path, config: dict, folder: Path, opset: int) -> dict:
-    """The tokenizer, every task's fp32 graph and the manifest (fp32 the default engine, for now); the
-    manifest's contents."""
+    """The tokenizer and every task's unfused fp32 graph; the manifest's contents (fp32 the default engine, for
+    now), written once the graphs are fused."""
     params = config["params"]
     write_tokenizer(model_dir, config, folder / TOKENIZER_FILE)
     tokenizer = load_tokenizer(folder / TOKENIZER_FILE, params["tokenize"]["max_length"])
@@ -139,7 +174,6 @@ def write_fp32(model: nn.Module, model_dir: Path, config: dict, folder: Path, op
                 "max_length": params["tokenize"]["max_length"], "truncation": "longest_first",
                 "tokenizer": TOKENIZER_FILE, "pad_id": model.family.pad_id, "opset": opset,
                 "default_engine": "onnx", "tasks": entries}
-    write_manifest(folder, manifest)
     return manifest
 
 
@@ -182,7 +216,7 @@ def task_entry(task: Task, encoding: str, inputs: tuple[str, ...], unescape_ptb:
 
 
 def export_graph(model: nn.Module, task: str, encoding: str, tokenizer, path: Path, opset: int) -> None:
-    """The task's ONNX graph, batch and sequence axes dynamic, traced on EXAMPLE_ROWS, its layers fused."""
+    """The task's ONNX graph, batch and sequence axes dynamic, traced on EXAMPLE_ROWS (fused later)."""
     own = model.for_task(task) if isinstance(model, TaskSnapshots) else model
     graph = (PairGraph if encoding == "bi" else TaskGraph)(own, task).eval()
     family = own.family
@@ -194,7 +228,6 @@ def export_graph(model: nn.Module, task: str, encoding: str, tokenizer, path: Pa
         torch.onnx.export(graph, tuple(torch.from_numpy(feed[name]) for name in names), str(path), dynamo=False,
                           input_names=list(names), output_names=["prediction"], opset_version=opset,
                           dynamic_axes=dynamic_axes(names))
-    fuse_layers(path, encoder_config(own), family.fusions)
 
 
 def dynamic_axes(names: tuple[str, ...]) -> dict[str, dict]:
@@ -209,19 +242,47 @@ def encoder_config(model: nn.Module):
 def fuse_layers(path: Path, config, expected: tuple[str, ...]) -> None:
     """Rewrite the graph at `path` with ONNX Runtime's BERT fusions (the rewrite keeps every value; the
     export's parity check against PyTorch runs on the fused graph); each of the family's `expected` fused
-    operators must be found, or a change of library would leave the graph unfused, unnoticed."""
+    operators must be found, or a change of library would leave the graph unfused, unnoticed.
+
+    The optimizer copies the graph several times over. So its tensors wait in a file beside it while it
+    works, and it reads only those a fusion folds in (biases, LayerNorm scales): its copies are of the graph's
+    structure, not of the encoder's weights, and it finds the same fusions. The graph is one file again after."""
+    import onnx
+    from onnx.external_data_helper import convert_model_to_external_data
     from onnxruntime.transformers.optimizer import optimize_model
 
-    with quiet_exporter():
-        fused = optimize_model(str(path), model_type="bert", num_heads=config.num_attention_heads,
-                               hidden_size=config.hidden_size)
+    path = path.resolve()
+    weights = path.with_name(path.name + ".weights")
+    graph = onnx.load(str(path))
+    convert_model_to_external_data(graph, all_tensors_to_one_file=True, location=weights.name)
+    onnx.save(graph, str(path))
+    del graph
+    # opt_level 0: the fusions only, without the ONNX Runtime session that would rewrite the graph first
+    # (sessions apply their own optimisations at load); the optimizer reads tensors relative to the cwd
+    with quiet_exporter(), working_directory(path.parent):
+        fused = optimize_model(onnx.load(str(path), load_external_data=False), model_type="bert",
+                               num_heads=config.num_attention_heads, hidden_size=config.hidden_size, opt_level=0)
     counts = {name: count for name, count in fused.get_fused_operator_statistics().items() if count}
     log.info("%s: fused %s", path.name, ", ".join(f"{count} {name}" for name, count in counts.items()))
     missing = [name for name in expected if name not in counts]
     if missing:
         raise ExportError(f"{path.name}: ONNX Runtime's optimizer fused no {', '.join(missing)} into the "
                           f"{config.model_type} graph (expected {', '.join(expected)}: mtbert/model/families.py)")
-    fused.save_model_to_file(str(path))
+    fused.save_model_to_file(str(path))  # its tensors still in `weights`
+    del fused
+    onnx.save(onnx.load(str(path)), str(path))  # read back into one file, as the engine and int8 expect it
+    weights.unlink()
+
+
+@contextlib.contextmanager
+def working_directory(folder: Path) -> Iterator[None]:
+    """The process's working directory set to `folder` for the block (contextlib.chdir, Python 3.11)."""
+    before = Path.cwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(before)
 
 
 @contextlib.contextmanager
@@ -258,14 +319,12 @@ def first_rows(split: TaskSplit, rows: int) -> TaskSplit:
                      tokens={name: column.take(keep) for name, column in split.tokens.items()}, pad_id=split.pad_id)
 
 
-def check_parity(model: nn.Module, folder: Path, task: str, dev: TaskSplit, options: ExportParams,
-                 threads: int) -> float:
-    """The largest difference between the fp32 graph and PyTorch on the first dev rows; over the tolerance
-    it is an ExportError."""
-    encoding = encoding_of(model, task)
-    expected = predict_split(model, first_rows(dev, options.check_rows), CHECK_BATCH, torch.device("cpu"))
-    engine = OnnxPredictor(folder, read_manifest(folder), engine="onnx", batch_size=CHECK_BATCH, threads=threads)
-    got = engine.values_of_tokens(task, token_lists(dev, encoding, options.check_rows))
+def check_parity(folder: Path, manifest: dict, task: str, expected: np.ndarray, dev: TaskSplit,
+                 options: ExportParams, threads: int) -> float:
+    """The largest difference between the fp32 graph and PyTorch's predictions `expected` of the first dev
+    rows; over the tolerance it is an ExportError."""
+    engine = OnnxPredictor(folder, manifest, engine="onnx", batch_size=CHECK_BATCH, threads=threads)
+    got = engine.values_of_tokens(task, token_lists(dev, manifest["tasks"][task]["encoding"], options.check_rows))
     return parity_difference(task, expected, got, options.tolerance)
 
 
