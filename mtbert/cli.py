@@ -2,11 +2,11 @@
 new text, as JSON lines; the export of a trained variant to ONNX; and an HTTP server.
 
     mtbert predict --model models/base --task sst "A gorgeous, witty film." "Dull."
-    mtbert predict --model exports/base --task qqp --task sts "How do I cook rice?" "How to cook rice?"
+    mtbert predict --model exports/ensemble --task qqp --task sts "How do I cook rice?" "How to cook rice?"
     mtbert predict --ensemble metrics/ensemble.json --task sts --input pairs.tsv --output scores.jsonl
     cat pairs.jsonl | mtbert predict --model models/base --task sts --input -
     mtbert export --model models/base --out exports/base
-    mtbert serve --model exports/base --port 8000 --workers 2
+    mtbert serve --model exports/ensemble --port 8000 --workers 2
 
 Texts come as arguments (for pair tasks, consecutive arguments form a pair), or with `--input` as a TSV
 file (a header naming the task's text columns, e.g. `sentence` or `sentence1` and `sentence2`, and an
