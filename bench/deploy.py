@@ -28,6 +28,7 @@ from pathlib import Path
 
 import typer
 
+from bench import options
 from bench.common import load_test, peak_rss_mib, start_server, stop_server, verdict
 from bench.latency import batched_rates, single_sentence_ms
 from mtbert.export.ensemble import dev_texts
@@ -216,10 +217,10 @@ def main(name: str = typer.Option("", "--model", help="a name in export.models, 
          params_file: Path = typer.Option(Path("params.yaml")),
          models_dir: Path = typer.Option(Path("models")),
          exports_dir: Path = typer.Option(Path("exports")),
-         tokenized_dir: Path = typer.Option(Path("data/tokenized/base")),
-         texts_per_task: int = typer.Option(1000, min=1, help="dev rows per task for the batched figure"),
-         single_calls: int = typer.Option(200, min=1, help="one-sentence calls per engine"),
-         rounds: int = typer.Option(2, min=1, help="batched rounds per engine"),
+         tokenized_dir: Path = options.TOKENIZED_DIR,
+         texts_per_task: int = options.TEXTS_PER_TASK,
+         single_calls: int = options.SINGLE_CALLS,
+         rounds: int = options.ROUNDS,
          cold_starts: int = typer.Option(3, min=1, help="fresh `mtbert predict` processes per folder"),
          clients: int = typer.Option(8, min=1, help="concurrent clients of the load test"),
          requests: int = typer.Option(50, min=1, help="requests per client"),

@@ -26,7 +26,10 @@
    int8, and a bounded load test of `mtbert serve` on loopback;
 8b. the deployed ensemble (exports/ensemble, where it exists): one sentence's and one pair's p50 and batched
    texts/s, against the same members assembled apart and against its first member alone, and `mtbert serve`
-   at 64 clients on the export against `--ensemble` over the members' exports.
+   at 64 clients on the export against `--ensemble` over the members' exports;
+8c. the exports of export.models beside exports/ensemble, where both exist (bench/side_by_side.py): one
+   sentence's and one pair's p50 and batched texts/s in one process, and `mtbert serve` at 64 clients on
+   each: requests/s and the server's peak memory, each as a ratio over the ensemble's.
 
 The configurations being compared alternate in short blocks over the same kind of real batches, so a
 change in the machine's speed during the run hits all of them alike. Needs data/tokenized/base
@@ -52,6 +55,8 @@ from bench.deploy import deploy_figures, ensemble_figures, report_ensemble
 from bench.deploy import report as report_deploy
 from bench.inference import engine_figures
 from bench.peer import peer_figures
+from bench.side_by_side import report as report_side_by_side
+from bench.side_by_side import side_by_side_figures
 from bench.smart_step import alternating_step_times, ratios
 from mtbert import io
 from mtbert.data.batches import TaskSplit, eval_batches, load_split
@@ -312,6 +317,14 @@ def main(train_steps: int = typer.Option(24, help="timed training steps per conf
             figures["deploy_ensemble"] = ensemble_figures(exports_dir / "ensemble", Path("metrics/ensemble.json"),
                                                           tokenized_dir, threads=figures["threads"],
                                                           scratch=Path(scratch))
+        others = {name: exports_dir / name for name in params.export.models
+                  if (exports_dir / name / "manifest.json").is_file()}
+        figures["side_by_side"] = None
+        if others and figures["deploy_ensemble"] is not None:
+            print(f"deployed models side by side: {', '.join(others)} against the ensemble ...", flush=True)
+            figures["side_by_side"] = side_by_side_figures({"ensemble": exports_dir / "ensemble", **others},
+                                                           tokenized_dir, threads=figures["threads"],
+                                                           scratch=Path(scratch))
     print("tokenize (a fresh process) ...", flush=True)
     figures["tokenize_seconds"] = round(tokenize_seconds(params_file), 2)
     print(f"peak memory of training ({memory_steps} steps, evaluation, checkpoint) ...", flush=True)
@@ -396,6 +409,10 @@ def report(f: dict) -> None:
         report_ensemble(f["deploy_ensemble"])
     else:
         print("8b. the deployed ensemble: skipped (needs exports/ensemble: dvc repro export_ensemble)")
+    if f.get("side_by_side") is not None:
+        report_side_by_side(f["side_by_side"])
+    else:
+        print("8c. deployed models side by side: skipped (needs exports/ensemble and an export of export.models)")
 
 
 if __name__ == "__main__":

@@ -160,6 +160,27 @@ def test_the_bench_times_the_exported_ensemble_against_its_members(exported, dep
     assert figures["server"]["ensemble_over_members_apart"] > 0
 
 
+@pytest.mark.slow(reason="a fresh timing process and two real servers")
+def test_the_bench_sets_a_members_export_beside_the_ensemble(exported, deployed, tmp_path):
+    """Figure 8c (bench/side_by_side.py): the ensemble, the baseline, and one member's own export, timed in
+    one process without torch and each served to concurrent clients, every figure also over the baseline's."""
+    from bench.side_by_side import side_by_side_figures
+
+    folder, _ = exported
+    figures = side_by_side_figures({"ensemble": folder, "bi": folder / "bi"}, deployed.tokenized, threads=1,
+                                   texts_per_task=8, single_calls=3, rounds=1, clients=3, requests=2,
+                                   scratch=tmp_path)
+    assert figures["torch_imported"] is False and figures["baseline"] == "ensemble"
+    assert figures["tasks"] == {"sentence": "sst", "pair": "qqp"}
+    for name in ("ensemble", "bi"):
+        assert figures["single_sentence_ms"][name]["p50"] > 0 and figures["single_pair_ms"][name]["p50"] > 0
+        assert figures["server"][name]["answered"] == {"200": 6} and figures["server"][name]["peak_rss_mib"] > 0
+    assert set(figures["over_baseline"]["ensemble"].values()) == {1.0}
+    ratios, served, rates = figures["over_baseline"]["bi"], figures["server"], figures["texts_per_second"]
+    assert ratios["texts_per_second"] == round(rates["bi"] / rates["ensemble"], 3)
+    assert ratios["server_peak_rss"] == round(served["bi"]["peak_rss_mib"] / served["ensemble"]["peak_rss_mib"], 3)
+
+
 def test_a_task_whose_int8_members_add_up_to_too_large_a_drop_runs_fp32_in_every_member():
     from mtbert.export.ensemble import fp32_for
 

@@ -306,6 +306,29 @@ def test_queued_experiments_run_and_show_with_their_metrics(repo):
         assert "plain" in data["metrics"]["metrics/stats.json"]["data"]["groups"]
 
 
+def test_a_recipe_runs_as_one_named_experiment_in_the_workspace(repo, tmp_path):
+    """`make best`'s command (python -m mtbert.recipes) on a recipe of two overrides: one `dvc exp run`,
+    listed by `dvc exp show` with the recipe's params and the metrics they gave, its params in the workspace."""
+    copy = copy_repo(repo, tmp_path / "repo")
+    subprocess.run([*GIT, "add", "-A"], cwd=copy, check=True)
+    subprocess.run([*GIT, "commit", "-qm", "lock"], cwd=copy, check=True)
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "greedy-one.yaml").write_text("description: the single best member per task\n"
+                                             "overrides: [ensemble.method=greedy, ensemble.max_members=1]\n")
+    subprocess.run([sys.executable, "-m", "mtbert.recipes", "greedy-one", "--name", "from-a-recipe",
+                    "--recipes-dir", str(recipes)], cwd=copy, env=dvc_env(), check=True, capture_output=True)
+    shown = json.loads(dvc(copy, "exp", "show", "--json"))
+    experiments = {exp["name"]: exp for commit in shown for exp in (commit.get("experiments") or [])}
+    data = experiments["from-a-recipe"]["revs"][0]["data"]
+    assert data["params"]["params.yaml"]["data"]["ensemble"] == {
+        **yaml.safe_load((repo / "params.yaml").read_text())["ensemble"], "method": "greedy", "max_members": 1}
+    ensemble = data["metrics"]["metrics/ensemble.json"]["data"]
+    assert all(sum(ensemble[task]["members"].values()) == 1 for task in TASK_NAMES)
+    assert yaml.safe_load((copy / "params.yaml").read_text())["ensemble"]["max_members"] == 1
+    assert "up to date" in dvc(copy, "status")  # the workspace holds the experiment's outputs
+
+
 # --- the trained models on new text: `mtbert predict` and its API (mtbert/inference.py) -----------------
 def dev_texts(repo: Path, task: str) -> tuple[list[str], list[tuple[str, ...]]]:
     """The ids and texts of a task's dev split, in the split's row order (the dumps' order)."""
