@@ -120,3 +120,14 @@ def test_the_dry_run_prints_the_experiment_it_would_run_and_runs_nothing(tmp_pat
     assert command == exp_run_command(load_recipe("two", folder), "trial", queue=False)
     assert command[:5] == ["dvc", "exp", "run", "--name", "trial"]
     assert command[5:] == [word for o in overrides for word in ("--set-param", o)]  # in the recipe's order
+
+
+def test_a_recipe_applied_again_gives_the_same_params_so_a_stopped_make_best_resumes(tmp_path):
+    """`dvc exp run -S` leaves params.yaml with the recipe applied when it is stopped; `make best` run again
+    applies the recipe over it, which must check and give the same params, or the run could not resume."""
+    recipe = load_recipe("best", REPO_ROOT / "recipes")
+    once, twice = tmp_path / "once.yaml", tmp_path / "twice.yaml"
+    apply_recipe(recipe, REPO_ROOT / "params.yaml", once)
+    apply_recipe(recipe, once, twice)
+    assert load_params(twice) == load_params(once)
+    assert check_params(recipe, once) == check_params(recipe, REPO_ROOT / "params.yaml")
