@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.latency import batched_rates, single_sentence_ms
+from bench.latency import sentence_and_pair_figures
 from mtbert.deploy.engine import ExportedEnsemble, OnnxEnsemblePredictor
 
 
@@ -27,16 +27,10 @@ def main() -> None:
                   "members_apart": OnnxEnsemblePredictor.load(job["ensemble_file"], job["ensemble_dir"], **options)}
     if all(task in ensemble.first.tasks for task in job["texts"]):  # one member that serves every task
         predictors["one_member"] = ensemble.first
-    for predictor in predictors.values():
-        predictor.warm()
     texts = {task: [tuple(row) for row in rows] for task, rows in job["texts"].items()}
     figures = {"first_member": first, "member_folder": str(Path(job["ensemble_dir"]) / first),
-               "single_sentence_ms": single_sentence_ms(predictors, job["sentence_task"], texts[job["sentence_task"]],
-                                                        job["calls"]),
-               "single_pair_ms": single_sentence_ms(predictors, job["pair_task"], texts[job["pair_task"]],
-                                                    job["calls"]),
-               "texts_per_second": batched_rates(predictors, texts, job["rounds"]),
-               "torch_imported": "torch" in sys.modules}
+               **sentence_and_pair_figures(predictors, texts, job["sentence_task"], job["pair_task"], job["calls"],
+                                           job["rounds"])}
     json.dump(figures, sys.stdout)
 
 

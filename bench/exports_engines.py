@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from bench.latency import batched_rates, single_sentence_ms
+from bench.latency import sentence_and_pair_figures
 from mtbert.deploy.engine import load_export
 
 
@@ -20,14 +20,9 @@ def main() -> None:
     job = json.load(sys.stdin)
     options = {"batch_size": job["batch_size"], "threads": job["threads"]}
     predictors = {name: load_export(folder, **options) for name, folder in job["exports"].items()}
-    for predictor in predictors.values():
-        predictor.warm()
     texts = {task: [tuple(row) for row in rows] for task, rows in job["texts"].items()}
-    sentence, pair = job["sentence_task"], job["pair_task"]
-    figures = {"single_sentence_ms": single_sentence_ms(predictors, sentence, texts[sentence], job["calls"]),
-               "single_pair_ms": single_sentence_ms(predictors, pair, texts[pair], job["calls"]),
-               "texts_per_second": batched_rates(predictors, texts, job["rounds"]),
-               "torch_imported": "torch" in sys.modules}
+    figures = sentence_and_pair_figures(predictors, texts, job["sentence_task"], job["pair_task"], job["calls"],
+                                        job["rounds"])
     json.dump(figures, sys.stdout)
 
 

@@ -5,6 +5,7 @@ Imports nothing heavy, so bench/onnx_engines.py times the ONNX engines in a proc
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -34,3 +35,14 @@ def batched_rates(predictors: dict, texts: dict[str, list], rounds: int) -> dict
             seconds[name] += time.perf_counter() - started
     count = rounds * sum(len(rows) for rows in texts.values())
     return {name: round(count / elapsed, 1) for name, elapsed in seconds.items()}
+
+
+def sentence_and_pair_figures(predictors: dict, texts: dict[str, list], sentence: str, pair: str, calls: int,
+                              rounds: int) -> dict:
+    """One sentence's and one pair's p50/p95 and batched texts/s of each predictor, warmed first, taking turns."""
+    for predictor in predictors.values():
+        predictor.warm()
+    return {"single_sentence_ms": single_sentence_ms(predictors, sentence, texts[sentence], calls),
+            "single_pair_ms": single_sentence_ms(predictors, pair, texts[pair], calls),
+            "texts_per_second": batched_rates(predictors, texts, rounds),
+            "torch_imported": "torch" in sys.modules}
