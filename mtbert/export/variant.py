@@ -112,13 +112,14 @@ class Traced:
 
 
 def export_variant(model_dir: Path, out_dir: Path, options: ExportParams, tokenized_dir: Path,
-                   threads: int = 0) -> dict:
+                   threads: int = 0, tasks: list[str] | None = None) -> dict:
     """Write the export of the variant in `model_dir` to `out_dir` (whole or not at all); its report, for
-    the metrics file. PyTorch's part (the graphs traced, the parity check's reference rows) comes first, and
+    the metrics file. `tasks`: only these of the model's tasks (an ensemble's member that serves only
+    some); None: all. PyTorch's part (the graphs traced, the parity check's reference rows) comes first, and
     the model is dropped before anything else holds memory: the export's peak is then the model's or ONNX
     Runtime's, not their sum (docs/performance.md, the export's memory)."""
     with io.atomic_dir(out_dir) as temp:
-        traced = trace(model_dir, temp, options, tokenized_dir)
+        traced = trace(model_dir, temp, options, tokenized_dir, tasks)
         release_heap()
         manifest, dev = traced.manifest, traced.dev
         for entry in manifest["tasks"].values():
@@ -142,27 +143,33 @@ def export_variant(model_dir: Path, out_dir: Path, options: ExportParams, tokeni
     return report
 
 
-def trace(model_dir: Path, folder: Path, options: ExportParams, tokenized_dir: Path) -> Traced:
-    """The PyTorch side of the export: the model loaded, its unfused graphs written to `folder`, and its
-    predictions of each task's first `options.check_rows` dev rows. The model is not kept."""
+def trace(model_dir: Path, folder: Path, options: ExportParams, tokenized_dir: Path,
+          tasks: list[str] | None = None) -> Traced:
+    """The PyTorch side of the export: the model loaded, its unfused graphs of `tasks` (None: all) written to
+    `folder`, and its predictions of each one's first `options.check_rows` dev rows. The model is not kept."""
     model, config = load_model(model_dir)
-    dev = {name: load_split(tokenized_dir, task, "dev") for name, task in model.tasks.items()}
-    manifest = write_fp32(model, model_dir, config, folder, options.opset)
+    unknown = [name for name in tasks or () if name not in model.tasks]
+    if unknown:
+        raise UserError(f"{model_dir}: no task {unknown[0]!r} to export (its tasks: {', '.join(model.tasks)})")
+    exported = {name: model.tasks[name] for name in (tasks or model.tasks)}
+    dev = {name: load_split(tokenized_dir, task, "dev") for name, task in exported.items()}
+    manifest = write_fp32(model, model_dir, config, folder, options.opset, exported)
     expected = {name: predict_split(model, first_rows(dev[name], options.check_rows), CHECK_BATCH,
-                                    torch.device("cpu")) for name in model.tasks}
+                                    torch.device("cpu")) for name in exported}
     one = model.for_task(next(iter(model.tasks))) if isinstance(model, TaskSnapshots) else model
-    return Traced(manifest=manifest, tasks=model.tasks, dev=dev, expected=expected,
+    return Traced(manifest=manifest, tasks=exported, dev=dev, expected=expected,
                   encoder=encoder_config(one), fusions=one.family.fusions)
 
 
-def write_fp32(model: nn.Module, model_dir: Path, config: dict, folder: Path, opset: int) -> dict:
-    """The tokenizer and every task's unfused fp32 graph; the manifest's contents (fp32 the default engine, for
-    now), written once the graphs are fused."""
+def write_fp32(model: nn.Module, model_dir: Path, config: dict, folder: Path, opset: int,
+               tasks: dict[str, Task]) -> dict:
+    """The tokenizer and each of `tasks`' unfused fp32 graph; the manifest's contents (fp32 the default
+    engine, for now), written once the graphs are fused."""
     params = config["params"]
     write_tokenizer(model_dir, config, folder / TOKENIZER_FILE)
     tokenizer = load_tokenizer(folder / TOKENIZER_FILE, params["tokenize"]["max_length"])
     entries = {}
-    for name, task in model.tasks.items():
+    for name, task in tasks.items():
         encoding = encoding_of(model, name)
         log.info("%s: exporting the %s graph", name, encoding)
         export_graph(model, name, encoding, tokenizer, folder / f"{name}.onnx", opset)
