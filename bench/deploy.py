@@ -78,11 +78,12 @@ def cold_start_seconds(folder: Path, task: str, sentence: str, threads: int, run
     return round(statistics.median(times), 3)
 
 
-def server_figures(export_dir: Path, task: str, sentences: list, clients: int, requests: int, workers: int,
-                   threads: int, scratch: Path) -> dict:
+def server_figures(source: list, task: str, sentences: list, clients: int, requests: int, workers: int,
+                   threads: int, scratch: Path, log_name: str = "serve.log") -> dict:
+    """`mtbert serve <source>` (e.g. `--model exports/ensemble`) loaded by `clients` clients sending
+    `requests` requests each: its start, throughput, latency and peak memory."""
     started = time.perf_counter()
-    process, url = start_server(scratch / "serve.log", "--model", export_dir, "--workers", workers,
-                                "--threads", threads)
+    process, url = start_server(scratch / log_name, *source, "--workers", workers, "--threads", threads)
     ready = time.perf_counter() - started
     try:
         figures = load_test(url, task, sentences, clients, requests)
@@ -121,8 +122,8 @@ def deploy_figures(model_dir: Path, export_dir: Path, tokenized_dir: Path, *, th
     figures["cold_start_seconds"] = {"export": cold_start_seconds(export_dir, single, sentence, threads, cold_starts),
                                      "torch": cold_start_seconds(model_dir, single, sentence, threads, cold_starts)}
     print(f"  mtbert serve under load: {clients} clients x {requests} requests ...", flush=True)
-    figures["server"] = server_figures(export_dir, single, texts[single], clients, requests, workers, threads,
-                                       scratch)
+    figures["server"] = server_figures(["--model", export_dir], single, texts[single], clients, requests, workers,
+                                       threads, scratch)
     if export_metrics is not None and export_metrics.is_file():
         report = json.loads(export_metrics.read_text(encoding="utf-8"))
         figures["export"] = {key: report[key] for key in ("engine", "reason", "dev", "int8_drop") if key in report}
@@ -155,17 +156,11 @@ def ensemble_figures(ensemble_dir: Path, ensemble_file: Path, tokenized_dir: Pat
     figures = {"threads": threads, "tasks": {"sentence": sentence, "pair": pair}, **json.loads(result.stdout)}
     print(f"  mtbert serve under load: {clients} clients x {requests} requests, the export and the members "
           "apart ...", flush=True)
-    figures["server"] = {}
-    for name, folder in (("ensemble", ["--model", ensemble_dir]),
-                         ("members_apart", ["--ensemble", ensemble_file, "--models-dir", ensemble_dir])):
-        started = time.perf_counter()
-        process, url = start_server(scratch / f"serve-{name}.log", *folder, "--threads", threads)
-        ready = time.perf_counter() - started
-        try:
-            figures["server"][name] = {"start_seconds": round(ready, 2),
-                                       **load_test(url, sentence, texts[sentence], clients, requests)}
-        finally:
-            stop_server(process)
+    figures["server"] = {
+        name: server_figures(source, sentence, texts[sentence], clients, requests, 1, threads, scratch,
+                             log_name=f"serve-{name}.log")
+        for name, source in (("ensemble", ["--model", ensemble_dir]),
+                             ("members_apart", ["--ensemble", ensemble_file, "--models-dir", ensemble_dir]))}
     served = figures["server"]
     figures["server"]["ensemble_over_members_apart"] = round(
         served["ensemble"]["requests_per_second"] / served["members_apart"]["requests_per_second"], 3)

@@ -74,8 +74,8 @@ def side_by_side_figures(exports: dict[str, Path], tokenized_dir: Path, *, threa
     for name, folder in exports.items():
         print(f"  mtbert serve --model {folder}: {clients} clients x {requests} requests ...", flush=True)
         (scratch / name).mkdir()
-        figures["server"][name] = server_figures(folder, sentence, texts[sentence], clients, requests, workers=1,
-                                                 threads=threads, scratch=scratch / name)
+        figures["server"][name] = server_figures(["--model", folder], sentence, texts[sentence], clients, requests,
+                                                 workers=1, threads=threads, scratch=scratch / name)
     figures["over_baseline"] = over_baseline(figures, baseline)
     return figures
 
