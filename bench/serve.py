@@ -60,17 +60,32 @@ def overload(url: str, task: str, texts: list[str], connections: int, timeout: f
 TIMER_SLACK = 1.0  # seconds past --request-timeout that an answer may take: the deadline's timer and the event loop
 
 
-def admitted_answers(log: Path, start: int, request_timeout: float) -> tuple[dict, int]:
+def admitted_answers(log: Path, start: int, request_timeout: float, answered: int = 0,
+                     wait: float = 30.0) -> tuple[dict, int]:
     """What the server's JSON access log says, after byte `start`, of the /predict requests it admitted (every
     status but 429): how many, the slowest one's seconds to its answer, and whether each came within
-    `request_timeout`; and the log's end, for the next phase."""
-    text = log.read_bytes()
-    lines = [json.loads(line) for line in text[start:].decode(errors="replace").splitlines()
-             if line.startswith('{"time"') and line.endswith("}")]  # not a line still being written
-    seconds = [line["seconds"] for line in lines if line["path"] == "/predict" and line["status"] != 429]
+    `request_timeout`; and the end of its last whole line, for the next phase. The server writes a request's
+    line just after its answer has gone, so this first waits (up to `wait` seconds) until the log holds a
+    /predict line for each of the `answered` requests that its clients saw answered."""
+    waited_until = time.monotonic() + wait
+    while True:
+        text = log.read_bytes()
+        end = text.rfind(b"\n", start) + 1 or start  # a line still being written is left for the next read
+        lines = [json.loads(line) for line in text[start:end].decode(errors="replace").splitlines()
+                 if line.startswith('{"time"')]
+        predict = [line for line in lines if line["path"] == "/predict"]
+        if len(predict) >= answered or time.monotonic() > waited_until:
+            break
+        time.sleep(0.05)
+    seconds = [line["seconds"] for line in predict if line["status"] != 429]
     return {"requests": len(seconds), "slowest_s": round(max(seconds, default=0.0), 3),
-            "request_timeout_s": request_timeout,
-            "within_timeout": all(value <= request_timeout + TIMER_SLACK for value in seconds)}, len(text)
+            "request_timeout_s": request_timeout, "logged_of_answered": [len(predict), answered],
+            "within_timeout": all(value <= request_timeout + TIMER_SLACK for value in seconds)}, end
+
+
+def http_answers(phase: dict) -> int:
+    """How many of a phase's requests got an HTTP answer (a status, not a client-side error)."""
+    return sum(count for outcome, count in phase["answered"].items() if outcome.isdigit())
 
 
 def first_answer_seconds(url: str, task: str, sentence: str, timeout: float = 60) -> tuple[float, int]:
@@ -109,7 +124,8 @@ def serve_figures(export_dir: Path, sentences: list[str], *, task: str = "sst", 
               flush=True)
         read = log.stat().st_size
         figures["overload"] = overload(url, task, heavy, connections, client_timeout)
-        figures["overload"]["admitted"], read = admitted_answers(log, read, request_timeout)
+        figures["overload"]["admitted"], read = admitted_answers(log, read, request_timeout,
+                                                                 answered=http_answers(figures["overload"]))
         figures["overload"]["fresh_request_after"] = first_answer_seconds(url, task, sentences[0])
         figures["peak_rss_mib"]["overload"] = peak_rss_mib(process.pid)
         print(f"  vanishing: the same, every client hanging up after {give_up:g} s ...", flush=True)

@@ -255,6 +255,34 @@ def test_serve_bench_drives_a_normal_load_an_overload_and_vanishing_clients(tmp_
 
 
 @pytest.mark.slow(reason="four small trainings and a BERT-base-shaped encoder built on the CPU")
+def test_the_admitted_count_waits_for_the_log_lines_of_every_answer_seen(tmp_path):
+    """The server logs a request just after its answer has gone, so a client can see every answer before the
+    log holds them all: the count waits for one line per answer seen, and a line still being written is left,
+    whole, to the next phase."""
+    import threading
+
+    from bench.serve import admitted_answers
+
+    def line(status: int, seconds: float) -> str:
+        return json.dumps({"time": 0.0, "path": "/predict", "status": status, "seconds": seconds}) + "\n"
+
+    def append(text: str) -> None:
+        with log.open("a") as file:
+            file.write(text)
+
+    log = tmp_path / "serve.log"
+    log.write_text("server started\n" + line(200, 1.0) + line(429, 0.01))
+    late = threading.Timer(0.3, append, [line(200, 2.0) + line(503, 31.5)[:20]])
+    late.start()
+    figures, end = admitted_answers(log, len("server started\n"), request_timeout=30.0, answered=3, wait=10)
+    late.join()
+    assert figures["requests"] == 2 and figures["slowest_s"] == 2.0 and figures["logged_of_answered"] == [3, 3]
+    assert figures["within_timeout"]
+    append(line(503, 31.5)[20:])
+    rest, _ = admitted_answers(log, end, request_timeout=30.0)
+    assert rest["requests"] == 1 and not rest["within_timeout"]  # 31.5 s: past the timeout and its slack
+
+
 def test_the_gpu_bench_dry_runs_on_the_cpu(tmp_path, tiny_backbone, tiny_tokenized):
     """`python -m bench.gpu` end to end without a GPU: the eager step and the peer on the same examples, the
     BERT-base-shaped encoder, the short run; the CUDA parts (peak, captured step) are absent."""

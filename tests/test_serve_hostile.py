@@ -93,8 +93,13 @@ def test_request_ids_are_echoed_and_each_request_is_one_json_log_line(strict):
     assert given.status_code == 200 and given.headers["x-request-id"] == "client-id-7"
     unsafe = post(url, ["Fine."], **{"x-request-id": "two words"})  # not a plain token: replaced, not echoed
     assert len(unsafe.headers["x-request-id"]) == 32 and unsafe.headers["x-request-id"] != "two words"
-    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
-    mine = next(line for line in lines if line["request_id"] == "client-id-7")
+
+    def logged(request_id: str) -> list[dict]:  # the server writes a request's line just after its answer
+        return [line for line in map(json.loads, re.findall(r"^\{.*\}$", log.read_text(), re.MULTILINE))
+                if line["request_id"] == request_id]
+
+    wait_for(lambda: logged("client-id-7"), "the request's access-log line")
+    (mine,) = logged("client-id-7")
     assert mine["path"] == "/predict" and mine["status"] == 200 and mine["texts"] == 1
     assert mine["queue_seconds"] >= BATCH_WAIT_MS / 1000 * 0.9 and mine["compute_seconds"] > 0
     assert mine["seconds"] >= mine["queue_seconds"] + mine["compute_seconds"]
