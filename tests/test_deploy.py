@@ -226,6 +226,34 @@ def test_a_member_that_serves_some_tasks_is_exported_with_their_graphs_only(depl
     assert not (tmp_path / "nli").exists()
 
 
+def test_a_task_that_int8_costs_too_much_is_quantized_again_with_its_outlier_prone_products_in_fp32(
+        deployed, tmp_path):
+    """Where quantizing everything drops a task's dev headline past export.int8_max_drop, its int8 graph is
+    written again with the feed-forward down projections and the embedding lookups in fp32, and that graph is
+    measured and kept. A bound below any drop forces it here."""
+    import onnx
+
+    from mtbert.export.variant import export_variant
+    from mtbert.params_file import load_params
+
+    options = load_params(deployed.params_file).export.model_copy(update={"int8_max_drop": -1.0})
+    report = export_variant(deployed.models / "bi", tmp_path / "bi", options, deployed.tokenized, threads=1,
+                            tasks=["sst"])
+    assert list(report["int8_outliers_in_fp32"]) == ["sst"] and report["engine"] == "onnx"
+    first = report["int8_outliers_in_fp32"]["sst"]["drop_fully_quantized"]
+    assert isinstance(first, float) and report["int8_drop"]["sst"] == pytest.approx(
+        report["dev"]["onnx"]["sst"]["accuracy"] - report["dev"]["int8"]["sst"]["accuracy"])
+    nodes = onnx.load(str(tmp_path / "bi" / "sst.int8.onnx"), load_external_data=False).graph.node
+    kinds = {node.name: node.op_type for node in nodes}
+    down = [name for name in kinds if name.endswith("/output/dense/MatMul") and "/attention/" not in name]
+    assert len(down) == 2 and all(kinds[name] == "MatMul" for name in down)  # both layers' down projections
+    assert "MatMulInteger" in kinds.values()  # the rest is int8
+    weights = {tensor.name: tensor.data_type for tensor in
+               onnx.load(str(tmp_path / "bi" / "sst.int8.onnx"), load_external_data=False).graph.initializer}
+    lookups = [node.input[0] for node in nodes if node.op_type == "Gather" and node.input[0] in weights]
+    assert lookups and all(weights[name] == onnx.TensorProto.FLOAT for name in lookups)  # embeddings fp32
+
+
 # --- integrity ------------------------------------------------------------------------------------------
 def test_write_manifest_and_verify_name_the_file_that_changed(tmp_path):
     (tmp_path / "sub").mkdir()
@@ -315,21 +343,22 @@ def assert_same_output(onnx: list[dict], pytorch: list[dict]) -> None:
 @pytest.mark.slow(reason="real `mtbert predict` processes")
 def test_the_command_on_exports_gives_the_pytorch_commands_output(deployed, tmp_path):
     """The export's command as a process of its own (torch-free, as deployed); the PyTorch engine's command in
-    this process (tests/commands.py)."""
+    this process (tests/commands.py). The fp32 graphs: int8, where the export deploys it, is only near."""
     pairs = dev_texts(deployed, "sts")[:6]
     jsonl = "".join(json.dumps({"id": f"r{i}", "sentence1": a, "sentence2": b}) + "\n"
                     for i, (a, b) in enumerate(pairs))
     (tmp_path / "pairs.jsonl").write_text(jsonl)
     for variant in VARIANTS:
         arguments = ["--task", "sts", "--task", "qqp", "--input", tmp_path / "pairs.jsonl"]
-        assert_same_output(lines(predict("--model", deployed.exports / variant, *arguments)),
+        assert_same_output(lines(predict("--model", deployed.exports / variant, "--engine", "onnx", *arguments)),
                            lines(predict_in_process("--model", deployed.models / variant, *arguments)))
         arguments = ["--task", "sst", "A gorgeous, witty film.", "Dull."]
-        assert_same_output(lines(predict("--model", deployed.exports / variant, *arguments)),
+        assert_same_output(lines(predict("--model", deployed.exports / variant, "--engine", "onnx", *arguments)),
                            lines(predict_in_process("--model", deployed.models / variant, *arguments)))
     tsv = ("sentence1\tsentence2\n" + "".join(f"{a}\t{b}\n" for a, b in pairs)).encode()
     arguments = ["--ensemble", deployed.ensemble_file, "--task", "sts", "--input", "-"]
-    assert_same_output(lines(subprocess_text(predict(*arguments, "--models-dir", deployed.exports, stdin=tsv))),
+    exported = predict(*arguments, "--models-dir", deployed.exports, "--engine", "onnx", stdin=tsv)
+    assert_same_output(lines(subprocess_text(exported)),
                        lines(predict_in_process(*arguments, "--models-dir", deployed.models, stdin=tsv)))
     written = predict("--model", deployed.exports / "bi", "--task", "sst", "Fine.", "--output", tmp_path / "o.jsonl")
     assert written.returncode == 0 and written.stdout == ""

@@ -18,17 +18,32 @@ if TYPE_CHECKING:
     import onnx
 
 
-def quantize(source: Path, target: Path, *, per_channel: bool) -> None:
-    """Write the int8 version of the fp32 graph `source` to `target`."""
+def quantize(source: Path, target: Path, *, per_channel: bool, outliers_in_fp32: bool = False) -> None:
+    """Write the int8 version of the fp32 graph `source` to `target`; with `outliers_in_fp32`, the products
+    that quantize badly (`outlier_prone`) stay in fp32."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    graph = onnx.load(str(source), load_external_data=False)
+    excluded = vector_products(graph) + (outlier_prone(graph) if outliers_in_fp32 else [])
     # ONNX's shape inference gives no type to the outputs of ONNX Runtime's fused ops (Attention,
     # SkipLayerNormalization): in a graph of BERT in float32 every such tensor is float32.
     with _quiet_quantizer():
         quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8, per_channel=per_channel,
-                         nodes_to_exclude=vector_products(onnx.load(str(source), load_external_data=False)),
-                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+                         nodes_to_exclude=excluded, extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+
+
+def outlier_prone(graph: onnx.ModelProto) -> list[str]:
+    """The nodes that int8 serves worst in a larger encoder, left in fp32 where quantizing everything costs a
+    task too much: each layer's feed-forward down projection, whose input (after GELU) holds a few outlier
+    values that flatten everything else under the one int8 scale a batch's activations get, and the
+    embedding lookups, whose error every layer carries on. In all-mpnet-base-v2 these two hold most of
+    int8's loss (docs/experiments/2026-12-06-mpnet-int8-outliers-epyc.md)."""
+    def down_projection(name: str) -> bool:  # BERT's attention has an output/dense of its own
+        return name.endswith("/output/dense/MatMul") and "/attention/" not in name
+
+    return [node.name for node in graph.graph.node
+            if node.op_type == "Gather" or (node.op_type == "MatMul" and down_projection(node.name))]
 
 
 def vector_products(graph: onnx.ModelProto) -> list[str]:
