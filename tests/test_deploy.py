@@ -238,18 +238,19 @@ def test_a_task_that_int8_costs_too_much_is_quantized_again_with_its_outlier_pro
 
     options = load_params(deployed.params_file).export.model_copy(update={"int8_max_drop": -1.0})
     report = export_variant(deployed.models / "bi", tmp_path / "bi", options, deployed.tokenized, threads=1,
-                            tasks=["sst"])
-    assert list(report["int8_outliers_in_fp32"]) == ["sst"] and report["engine"] == "onnx"
-    first = report["int8_outliers_in_fp32"]["sst"]["drop_fully_quantized"]
-    assert isinstance(first, float) and report["int8_drop"]["sst"] == pytest.approx(
-        report["dev"]["onnx"]["sst"]["accuracy"] - report["dev"]["int8"]["sst"]["accuracy"])
-    nodes = onnx.load(str(tmp_path / "bi" / "sst.int8.onnx"), load_external_data=False).graph.node
-    kinds = {node.name: node.op_type for node in nodes}
-    down = [name for name in kinds if name.endswith("/output/dense/MatMul") and "/attention/" not in name]
-    assert len(down) == 2 and all(kinds[name] == "MatMul" for name in down)  # both layers' down projections
+                            tasks=["sts"])  # a bi-encoder: its graph holds the encoder once per sentence
+    assert list(report["int8_outliers_in_fp32"]) == ["sts"] and report["engine"] == "onnx"
+    first = report["int8_outliers_in_fp32"]["sts"]["drop_fully_quantized"]
+    assert isinstance(first, float) and report["int8_drop"]["sts"] == pytest.approx(
+        report["dev"]["onnx"]["sts"]["pearson"] - report["dev"]["int8"]["sts"]["pearson"])
+    graph = onnx.load(str(tmp_path / "bi" / "sts.int8.onnx"), load_external_data=False).graph
+    kinds = {node.name: node.op_type for node in graph.node}
+    down = [name for name in kinds if re.search(r"/output/dense(_\d+)?/MatMul$", name) and "/attention/" not in name]
+    # the shared layer's and the task layer's down projections, in each sentence's copy of the encoder
+    assert len(down) == 4 and all(kinds[name] == "MatMul" for name in down), down
     assert "MatMulInteger" in kinds.values()  # the rest is int8
-    weights = {tensor.name: tensor.data_type for tensor in
-               onnx.load(str(tmp_path / "bi" / "sst.int8.onnx"), load_external_data=False).graph.initializer}
+    weights = {tensor.name: tensor.data_type for tensor in graph.initializer}
+    nodes = graph.node
     lookups = [node.input[0] for node in nodes if node.op_type == "Gather" and node.input[0] in weights]
     assert lookups and all(weights[name] == onnx.TensorProto.FLOAT for name in lookups)  # embeddings fp32
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +34,10 @@ def quantize(source: Path, target: Path, *, per_channel: bool, outliers_in_fp32:
                          nodes_to_exclude=excluded, extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
 
 
+# a bi-encoder's graph holds the encoder twice, one copy per sentence: the second's nodes end in `dense_1`
+DOWN_PROJECTION = re.compile(r"/output/dense(_\d+)?/MatMul$")
+
+
 def outlier_prone(graph: onnx.ModelProto) -> list[str]:
     """The nodes that int8 serves worst in a larger encoder, left in fp32 where quantizing everything costs a
     task too much: each layer's feed-forward down projection, whose input (after GELU) holds a few outlier
@@ -40,7 +45,7 @@ def outlier_prone(graph: onnx.ModelProto) -> list[str]:
     embedding lookups, whose error every layer carries on. In all-mpnet-base-v2 these two hold most of
     int8's loss (docs/experiments/2026-12-06-mpnet-int8-outliers-epyc.md)."""
     def down_projection(name: str) -> bool:  # BERT's attention has an output/dense of its own
-        return name.endswith("/output/dense/MatMul") and "/attention/" not in name
+        return DOWN_PROJECTION.search(name) is not None and "/attention/" not in name
 
     return [node.name for node in graph.graph.node
             if node.op_type == "Gather" or (node.op_type == "MatMul" and down_projection(node.name))]
