@@ -134,8 +134,8 @@ def test_unknown_paths_and_methods_are_refused_in_json(server):
 
 @TWO_WORKERS_ARE_SLOW
 def test_several_workers_serve_the_same_results(deployed, tmp_path):
-    process, url = start_server(tmp_path / "stderr.log", "--model", deployed.exports / "bi", "--workers", "2",
-                                "--threads", "1", timeout=STARTUP_SECONDS)
+    process, url = start_server(tmp_path / "stderr.log", "--model", deployed.exports / "bi", "--engine", "onnx",
+                                "--workers", "2", "--threads", "1", timeout=STARTUP_SECONDS)  # the fp32 graphs
     try:
         cases = requests_and_expected(deployed)
         with httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(4) as pool:
