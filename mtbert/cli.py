@@ -120,7 +120,8 @@ def export(model: Path = typer.Option(..., "--model", help="a trained variant's 
     report = export_variant(model, out, options, tokenized_dir or layout.tokenized_of(model.name), threads)
     if metrics is not None:
         io.write_metrics(metrics, report)
-    print(f"{out}: default engine {report['engine']} ({report['reason']})")
+    print(f"{out}: default engine {report['engine']} ({report['reason']}); `auto` runs "
+          + ", ".join(f"{task} on {choice['engine']}" for task, choice in report["task_engines"].items()))
 
 
 def serve(**values) -> None:

@@ -314,8 +314,8 @@ class ExportParams(Section):
     int8: bool = Field(description="Also write int8 graphs: ONNX Runtime's dynamic quantization of the weights.")
     int8_per_channel: bool = Field(description="int8: one scale per output channel of each weight, not one per "
                                                "tensor (one outlier channel then coarsens only itself).")
-    int8_max_drop: float = Field(ge=0.0, description="int8 is the default engine only if it is faster and no "
-                                                     "task's dev headline drops more than this.")
+    int8_max_drop: float = Field(ge=0.0, description="A task runs int8 (engine `auto`) only if int8 is faster and "
+                                                     "the task's dev headline drops no more than this.")
     speed_rows: PositiveInt = Field(description="Dev rows per task timed with fp32 and int8 to see which is "
                                                 "faster on this machine.")
 

@@ -2,10 +2,10 @@
 name in export.models: a variant (a key of `models:`) or a distilled student (a key of distill.students).
 
 Writes exports/<model>/ (per task an fp32 graph and, with `export.int8`, an int8 one, `tokenizer.json`
-and `manifest.json`: tasks, kinds, truncation, cleaning, the default engine, each file's sha256), which
+and `manifest.json`: tasks, kinds, truncation, cleaning, each task's engine, each file's sha256), which
 `mtbert predict --model exports/<model>` and `mtbert serve` run without torch; and
 metrics/export/<model>.json: the largest difference from PyTorch on the checked dev rows, the dev metrics
-of the fp32 and int8 graphs, their speed on this machine, and the default engine with the reason.
+of the fp32 and int8 graphs, their speed on this machine, and each task's engine with the reason.
 A student that distill.enabled false left untrained gets outputs saying so.
 """
 

@@ -14,8 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from mtbert.deploy.engine import OnnxEnsemblePredictor, OnnxPredictor, resolve_engine
-from mtbert.export.variant import ExportError, choose_engine, parity_difference
+from mtbert.export.variant import ExportError, choose_engine, parity_difference, task_engines
 from mtbert.integrity import IntegrityError, verify, write_manifest
+from mtbert.params_file import load_params
 from tests.commands import mtbert_in_process
 from tests.conftest import REPO_ROOT
 from tests.deployed import VARIANTS
@@ -100,6 +101,11 @@ def test_the_manifest_describes_the_export_and_its_metrics_say_which_engine_and_
                                                                         for s in ("", ".int8"))])
         assert manifest["max_length"] == 32 and manifest["truncation"] == "longest_first"
         assert manifest["default_engine"] == metrics["engine"] in ("onnx", "int8") and metrics["reason"]
+        # per task, the rule applied to this export's own figures; `auto` runs them
+        rule = task_engines(metrics, list(TASKS), load_params(deployed.params_file).export.int8_max_drop)
+        assert manifest["task_engines"] == {task: engine for task, (engine, _) in rule.items()}
+        assert metrics["task_engines"] == {task: {"engine": engine, "reason": why}
+                                           for task, (engine, why) in rule.items()}
         assert manifest["tasks"]["sst"]["kind"] == "classification" and manifest["tasks"]["qqp"]["kind"] == "binary"
         assert manifest["tasks"]["sst"]["columns"] == [f"prob_{c}" for c in range(5)]
         assert ["-LRB-", "("] in manifest["tasks"]["sst"]["clean"]["replace"]  # data.unescape_ptb: [sst]
@@ -131,6 +137,34 @@ def test_int8_is_the_default_only_where_it_is_as_good_and_faster():
     assert choose_engine(None, {"onnx": 1.0}, 0.003, headlines) == ("onnx", "export.int8 is false: no int8 graphs")
 
 
+def test_each_task_runs_int8_only_where_int8_is_as_good_and_faster():
+    faster, slower = {"speed": {"int8_speedup": 1.8}}, {"speed": {"int8_speedup": 0.9}}
+    drops = {"int8_drop": {"sst": 0.02, "qqp": -0.001, "sts": 0.003}}
+    choices = task_engines({**drops, **faster}, ["sst", "qqp", "sts"], 0.003)
+    assert {task: engine for task, (engine, _) in choices.items()} == {"sst": "onnx", "qqp": "int8", "sts": "int8"}
+    assert choices["sst"][1] == "int8 drops the dev headline by 0.0200, more than export.int8_max_drop 0.003"
+    assert choices["qqp"][1] == "int8 drops the dev headline by -0.0010 (at most 0.003) and ran 1.80x as fast"
+    assert {engine for engine, _ in task_engines({**drops, **slower}, ["qqp", "sts"], 0.003).values()} == {"onnx"}
+    assert task_engines({}, ["sst"], 0.003) == {"sst": ("onnx", "export.int8 is false: no int8 graph")}
+
+
+def test_auto_runs_each_task_on_the_engine_its_manifest_names(deployed, tmp_path):
+    """An export whose tasks chose different engines: `auto` runs each task's own; `onnx` and `int8` run one
+    engine for every task."""
+    from mtbert.integrity import DIGEST, read_manifest
+
+    folder = tmp_path / "cross"
+    shutil.copytree(deployed.exports / "cross", folder)
+    manifest = {key: value for key, value in read_manifest(folder).items() if key not in ("files", DIGEST)}
+    chosen = {"sst": "int8", "qqp": "onnx", "sts": "int8"}
+    write_manifest(folder, {**manifest, "default_engine": "onnx", "task_engines": chosen})
+    engines = {engine: OnnxPredictor.load(folder, engine=engine, threads=1) for engine in ("auto", "onnx", "int8")}
+    for task in TASKS:
+        values = {engine: predictor.values(task, dev_texts(deployed, task)) for engine, predictor in engines.items()}
+        assert not np.array_equal(values["onnx"], values["int8"])  # else this test could not tell them apart
+        np.testing.assert_array_equal(values["auto"], values[chosen[task]])
+
+
 def test_a_graph_that_differs_from_pytorch_fails_the_export_naming_the_task():
     expected = np.array([[0.2, 0.8], [0.5, 0.5]])
     assert parity_difference("sst", expected, expected + 5e-5, 1e-4) == pytest.approx(5e-5)
@@ -160,7 +194,8 @@ def test_the_export_command_writes_an_export_that_predicts_like_the_stages(deplo
                         "--params-file", deployed.params_file, "--tokenized-dir", deployed.tokenized,
                         "--metrics", tmp_path / "export.json", "--threads", "1")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == f"{out}: default engine onnx (export.int8 is false: no int8 graphs)"
+    assert result.stdout.strip() == (f"{out}: default engine onnx (export.int8 is false: no int8 graphs); "
+                                     "`auto` runs sst on onnx, qqp on onnx, sts on onnx")
     assert not list(out.glob("*.int8.onnx")) and json.loads((tmp_path / "export.json").read_text())["engine"] == "onnx"
     texts = dev_texts(deployed, "qqp")
     values = OnnxPredictor.load(out, threads=1).values("qqp", texts).reshape(len(texts), -1)
@@ -240,6 +275,7 @@ def test_a_task_that_int8_costs_too_much_is_quantized_again_with_its_outlier_pro
     report = export_variant(deployed.models / "bi", tmp_path / "bi", options, deployed.tokenized, threads=1,
                             tasks=["sts"])  # a bi-encoder: its graph holds the encoder once per sentence
     assert list(report["int8_outliers_in_fp32"]) == ["sts"] and report["engine"] == "onnx"
+    assert report["task_engines"]["sts"]["engine"] == "onnx"
     first = report["int8_outliers_in_fp32"]["sts"]["drop_fully_quantized"]
     assert isinstance(first, float) and report["int8_drop"]["sts"] == pytest.approx(
         report["dev"]["onnx"]["sts"]["pearson"] - report["dev"]["int8"]["sts"]["pearson"])

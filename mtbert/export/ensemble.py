@@ -37,7 +37,7 @@ from mtbert.deploy.engine import EXPORT_FORMAT, ExportedEnsemble
 from mtbert.deploy.members import read_members
 from mtbert.evaluation.metrics import overall, task_metrics
 from mtbert.evaluation.predictions import read_aligned
-from mtbert.export.variant import export_variant, parity_difference, token_lists
+from mtbert.export.variant import export_variant, parity_difference, task_engines, token_lists
 from mtbert.integrity import DIGEST, read_manifest, write_manifest
 from mtbert.params import ExportParams
 
@@ -60,7 +60,7 @@ def export_ensemble(ensemble_file: Path, models_dir: Path, dumps_dir: Path, out_
             reports[name] = export_variant(models_dir / name, temp / name, options, tokenized_root / name, threads,
                                            tasks=serves[name])
             gc.collect()  # the member's model and sessions, before the next one's
-        choices = {name: member_engines(reports[name], serves[name], options) for name in needed}
+        choices = {name: task_engines(reports[name], serves[name], options.int8_max_drop) for name in needed}
         write_choices(temp, members, choices, ensemble_file, models_dir)
         report = measure_ensemble(temp, {name: tasks[name] for name in members}, models_dir, dumps_dir,
                                   tokenized_root, options, threads)
@@ -78,26 +78,6 @@ def export_ensemble(ensemble_file: Path, models_dir: Path, dumps_dir: Path, out_
     log.info("%s: %d members; dev overall fp32 %.4f, as deployed %.4f", out_dir, len(needed),
              report["dev"]["onnx"]["overall"], report["dev"]["deployed"]["overall"])
     return report
-
-
-def member_engines(report: dict, tasks: list[str], options: ExportParams) -> dict[str, tuple[str, str]]:
-    """Per task the member serves: int8 or fp32 (`onnx`), and why. int8 where its dev headline stayed within
-    export.int8_max_drop of fp32's and the member's int8 graphs ran faster here."""
-    choices = {}
-    for task in tasks:
-        drop = report.get("int8_drop", {}).get(task)
-        speedup = report.get("speed", {}).get("int8_speedup", 0.0)
-        if drop is None:
-            choices[task] = ("onnx", "export.int8 is false: no int8 graph")
-        elif drop > options.int8_max_drop:
-            choices[task] = ("onnx", f"int8 drops the dev headline by {drop:.4f}, more than export.int8_max_drop "
-                                     f"{options.int8_max_drop:g}")
-        elif speedup <= 1.0:
-            choices[task] = ("onnx", f"int8 was not faster on this machine ({speedup:.2f}x)")
-        else:
-            choices[task] = ("int8", f"int8 drops the dev headline by {drop:.4f} (at most "
-                                     f"{options.int8_max_drop:g}) and ran {speedup:.2f}x as fast")
-    return choices
 
 
 def fp32_for(choices: dict, drops: dict[str, float]) -> dict:

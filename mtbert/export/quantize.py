@@ -39,11 +39,9 @@ DOWN_PROJECTION = re.compile(r"/output/dense(_\d+)?/MatMul$")
 
 
 def outlier_prone(graph: onnx.ModelProto) -> list[str]:
-    """The nodes that int8 serves worst in a larger encoder, left in fp32 where quantizing everything costs a
-    task too much: each layer's feed-forward down projection, whose input (after GELU) holds a few outlier
-    values that flatten everything else under the one int8 scale a batch's activations get, and the
-    embedding lookups, whose error every layer carries on. In all-mpnet-base-v2 these two hold most of
-    int8's loss (docs/experiments/2026-12-06-mpnet-int8-outliers-epyc.md)."""
+    """The nodes left in fp32 where quantizing everything costs a task too much: each layer's feed-forward
+    down projection, whose input (after GELU) can hold a few large values that would set the one int8 scale
+    a batch's activations get, and the embedding lookups, whose error every layer carries on."""
     def down_projection(name: str) -> bool:  # BERT's attention has an output/dense of its own
         return DOWN_PROJECTION.search(name) is not None and "/attention/" not in name
 

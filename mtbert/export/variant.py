@@ -14,10 +14,11 @@ engine that deploys it (mtbert/deploy/engine.py), on the first `export.check_row
 PyTorch; a value that differs by more than `export.tolerance` fails the export, naming the task.
 
 With `export.int8`, ONNX Runtime's dynamic quantization writes int8 graphs (quantize.py). Both engines
-predict the whole dev split; their dev metrics go into the export's metrics, and int8 becomes the default
-engine only where no task's dev headline drops by more than `export.int8_max_drop` and it ran the timed
-dev rows faster than fp32 on this machine. The manifest (integrity.py) records the tasks, kinds, text
-columns, encoding, cleaning, truncation, default engine and each file's sha256.
+predict the whole dev split; their dev metrics go into the export's metrics. A task runs int8 (its entry in
+the manifest's `task_engines`, what engine `auto` runs) only where its dev headline drops by no more than
+`export.int8_max_drop` and int8 ran the timed dev rows faster than fp32 on this machine; the default engine
+(for every task at once) is int8 only where every task is. The manifest (integrity.py) records the tasks,
+kinds, text columns, encoding, cleaning, truncation, the engines and each file's sha256.
 """
 
 from __future__ import annotations
@@ -140,8 +141,13 @@ def export_variant(model_dir: Path, out_dir: Path, options: ExportParams, tokeni
                             "max_abs_difference": parity}
         report["size_mb"] = {engine: graph_megabytes(temp, manifest["tasks"], engine) for engine in engines}
         manifest["default_engine"] = report["engine"]
+        choices = task_engines(report, list(traced.tasks), options.int8_max_drop)
+        manifest["task_engines"] = {name: engine for name, (engine, _) in choices.items()}
+        report["task_engines"] = {name: {"engine": engine, "reason": reason}
+                                  for name, (engine, reason) in choices.items()}
         write_manifest(temp, manifest)
-    log.info("%s: default engine %s (%s)", out_dir, report["engine"], report["reason"])
+    log.info("%s: default engine %s (%s); `auto` runs %s", out_dir, report["engine"], report["reason"],
+             ", ".join(f"{name} on {engine}" for name, engine in manifest["task_engines"].items()))
     return report
 
 
@@ -435,6 +441,28 @@ def choose_engine(int8_drop: dict[str, float] | None, seconds: dict[str, float],
                         f"{seconds['onnx']:.3f} s on the timed dev rows")
     return "int8", (f"int8 keeps every task's dev headline within {max_drop:g} of fp32 (largest drop: {worst} "
                     f"{drop:.4f}) and ran the timed dev rows {seconds['onnx'] / seconds['int8']:.2f}x as fast")
+
+
+def task_engines(report: dict, tasks: list[str], max_drop: float) -> dict[str, tuple[str, str]]:
+    """Per task: int8 or fp32 (`onnx`), and why; what `auto` runs. int8 where it kept the task's dev
+    headline within `max_drop` of fp32's and the export's int8 graphs ran faster here. So one task that
+    int8 costs too much keeps fp32 without holding the others back (the default engine is int8 only where
+    every task chose it)."""
+    choices = {}
+    speedup = report.get("speed", {}).get("int8_speedup", 0.0)
+    for task in tasks:
+        drop = report.get("int8_drop", {}).get(task)
+        if drop is None:
+            choices[task] = ("onnx", "export.int8 is false: no int8 graph")
+        elif drop > max_drop:
+            choices[task] = ("onnx", f"int8 drops the dev headline by {drop:.4f}, more than export.int8_max_drop "
+                                     f"{max_drop:g}")
+        elif speedup <= 1.0:
+            choices[task] = ("onnx", f"int8 was not faster on this machine ({speedup:.2f}x)")
+        else:
+            choices[task] = ("int8", f"int8 drops the dev headline by {drop:.4f} (at most {max_drop:g}) and ran "
+                                     f"{speedup:.2f}x as fast")
+    return choices
 
 
 def graph_megabytes(folder: Path, entries: dict, engine: str) -> float:
