@@ -6,7 +6,7 @@
 #   `make best RECIPE=best-student` adds a MiniLM student of its ensemble, exported on its own (recipes/best-student.yaml).
 # `make fuzz`: the deep fuzz of the API and the readers (needs exports/ensemble: `make repro` first).
 # `make kills`: every stage of a tiny pipeline killed (SIGKILL) at 3 random moments, each followed by a re-run.
-# `make mutation`: the modules that guard data and input mutated (mutmut), each mutant run against the fast tests.
+# `make mutation`: the modules that guard data, input and the server's admission mutated (mutmut), each mutant run against the fast tests.
 # Both create .venv on first use; later runs reuse it and reinstall only when pyproject.toml changes.
 PYTHON ?= python3
 RECIPE ?= best

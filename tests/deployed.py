@@ -1,5 +1,7 @@
 """Two small trained variants, their `predict` dumps, the ensemble over them and their exports, made by the
 pipeline's own stages, for the tests of the deployment (export, the ONNX engine, the server, the benchmark).
+The variants and the ensemble are built once (`trained`); the variants' own exports (`deployed`) and the
+ensemble's export (`ensemble_export`) are built from them apart, so two workers build them at once.
 
 The variants are built from the 2-layer backbone with perturbed weights instead of trained (a folder as
 `train` writes it, in seconds), and between them cover every task kind and encoding: `cross` (one shared
@@ -47,6 +49,12 @@ class Deployed:
 
 
 def build(root: Path, backbone: Path, tokenized: Path) -> Deployed:
+    """The variants, their dumps, the ensemble over them, and each variant's own export, in `root`."""
+    return export_each(build_trained(root, backbone, tokenized), root)
+
+
+def build_trained(root: Path, backbone: Path, tokenized: Path) -> Deployed:
+    """The variants, their dumps and the ensemble over them, in `root`; not exported yet."""
     params_file = make_params(root, backbone, Path("unused"), models=VARIANTS, extra=PARAMS)
     deployed = Deployed(root=root, params_file=params_file, tokenized=tokenized,
                         tokenized_root=root / "tokenized", models=root / "models",
@@ -67,11 +75,26 @@ def build(root: Path, backbone: Path, tokenized: Path) -> Deployed:
     invoke("stages.ensemble", "--params-file", params_file, "--tokenized-dir", tokenized, "--rejects-file", rejects,
            "--predictions-dir", deployed.predictions, "--snapshots-dir", root / "snapshots",
            "--out-dir", deployed.ensemble_dir, "--plots-dir", root / "plots", "--metrics-file", deployed.ensemble_file)
+    return deployed
+
+
+def export_each(trained: Deployed, folder: Path) -> Deployed:
+    """Each variant of `trained` exported by the `export` stage into `folder`: `trained` with its exports."""
+    deployed = dataclasses.replace(trained, exports=folder / "exports", export_metrics=folder / "metrics" / "export")
     for variant in VARIANTS:
-        invoke("stages.export", "--model", variant, "--params-file", params_file, "--tokenized-dir", tokenized,
-               "--models-dir", deployed.models, "--exports-dir", deployed.exports,
+        invoke("stages.export", "--model", variant, "--params-file", trained.params_file, "--tokenized-dir",
+               trained.tokenized, "--models-dir", trained.models, "--exports-dir", deployed.exports,
                "--metrics-dir", deployed.export_metrics)
     return deployed
+
+
+def export_ensemble(trained: Deployed, folder: Path) -> tuple[Path, dict]:
+    """exports/ensemble over `trained` as the `export_ensemble` stage writes it into `folder`, and its metrics."""
+    invoke("stages.export_ensemble", "--params-file", trained.params_file, "--tokenized-root", trained.tokenized_root,
+           "--models-dir", trained.models, "--ensemble-file", trained.ensemble_file,
+           "--dumps-dir", trained.ensemble_dir, "--out-dir", folder / "ensemble",
+           "--metrics-file", folder / "ensemble.json")
+    return folder / "ensemble", json.loads((folder / "ensemble.json").read_text())
 
 
 def write_variant(deployed: Deployed, variant: str, backbone: Path) -> None:

@@ -226,6 +226,24 @@ def test_deploy_bench_writes_every_figure(tmp_path, deployed, caplog):
     assert not [record for record in caplog.records if record.name == "httpx"]  # no line per request
 
 
+def test_the_int8_batch_size_probe_scores_both_graphs_at_each_size(deployed):
+    """bench/probes/int8_batch_size.py on the small cross-encoder's export: every task at each batch size, on
+    both graphs; fp32's figures do not depend on the batch (padding is masked), int8's may."""
+    from bench.probes.int8_batch_size import app as probe
+
+    result = CliRunner().invoke(probe, ["--export", str(deployed.exports / "cross"), "--tokenized-root",
+                                        str(deployed.tokenized_root), "--params-file", str(deployed.params_file),
+                                        "--batch-size", "1", "--batch-size", "5", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    assert [(row["member"], row["task"]) for row in rows] == [("cross", "sst"), ("cross", "qqp"), ("cross", "sts")]
+    for row in rows:
+        assert row["onnx"]["1"] == pytest.approx(row["onnx"]["5"], abs=1e-6)
+        assert row["int8_drop"] == {size: round(row["onnx"][size] - row["int8"][size], 6) for size in ("1", "5")}
+    assert rows[2]["int8"]["1"] != rows[2]["onnx"]["1"]  # STS's Pearson r: the two graphs differ
+    assert "| cross | sts | " in result.output
+
+
 def test_serve_bench_drives_a_normal_load_an_overload_and_vanishing_clients(tmp_path, deployed):
     """`python -m bench.serve` in small: every request accounted for, each overload request answered by the
     server (200 or 429; none refused by the machine), and a fresh request answered after each phase."""

@@ -4,15 +4,13 @@ and without it, each answer put through every one of schemathesis' default check
 bench.fuzz` is the deep run. The same fuzz against the app with a handler broken on purpose (a 200 for an
 invalid body, a 200 without the token, a 500) must fail."""
 
-import threading
-import time
-
 import httpx
 import pytest
 
-from bench.common import free_port, start_server, stop_server
+from bench.common import start_server, stop_server
 from bench.fuzz import API_KEY, fuzz, traceback_lines
 from mtbert.deploy.engine import OnnxPredictor
+from tests.inprocess import InProcess
 
 pytestmark = pytest.mark.slow(reason="a real server, a few hundred generated requests")
 
@@ -79,33 +77,6 @@ class FailsOnLongTexts(Constant):
         if any(len(text) > 3 for row in rows for text in row):
             raise RuntimeError("a planted engine failure")
         return super().predict(task, rows)
-
-
-class InProcess(threading.Thread):
-    """`create_app`'s API served over HTTP by uvicorn in a thread of this process, so that a test can break a
-    handler with monkeypatch first."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        super().__init__(daemon=True)
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
-
-    def run(self) -> None:
-        self.server.run()
-
-    def __enter__(self) -> str:
-        self.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.is_alive(), "the in-process server did not start"
-            time.sleep(0.05)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *_) -> None:
-        self.server.should_exit = True
-        self.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
