@@ -334,16 +334,15 @@ def kill_once_checkpointed(command: list[str], checkpoint: Path, timeout: float 
 
 
 # The longest test files first (by `pytest --durations`): pytest-xdist hands out whole files in collection
-# order (with --no-loadscope-reorder; by default it orders them by their number of tests), one to each
-# worker, then a second each, then one to whichever is done first, so a long file handed out last would
-# leave the other worker idle at the end. test_deploy.py and test_ensemble_export.py go first, one to each
-# worker: they build the `deployed` and `ensemble_export` fixtures (about 25 s each) at the same time, from
-# `trained`, which the first to ask builds. The files that need no export follow; the other files that use
-# `deployed` go last.
-LONGEST_FIRST = ("test_deploy.py", "test_ensemble_export.py", "test_pipeline.py", "test_faults.py",
-                 "test_distributed.py", "test_train.py", "test_families.py", "test_arch.py", "test_pretrain.py",
-                 "test_errors.py")
-USE_DEPLOYED = ("test_serve_hostile.py", "test_serve.py", "test_fuzz.py", "test_bench.py")
+# order (with --no-loadscope-reorder; by default it orders them by their number of tests), so a long file
+# handed out last would leave the other worker idle at the end. test_deploy.py goes early and builds the
+# shared `deployed` fixture (30 s); the files that need no export follow, so that the other worker works
+# rather than waits while it is built; the other files that use it go last. (Building `deployed` and
+# `ensemble_export` at once, one per worker, does not help on 2 cores: the suite is bound by its CPU work,
+# which the other worker's tests keep busy while one builds.)
+LONGEST_FIRST = ("test_pipeline.py", "test_faults.py", "test_distributed.py", "test_train.py", "test_deploy.py",
+                 "test_families.py", "test_arch.py", "test_pretrain.py", "test_errors.py")
+USE_DEPLOYED = ("test_ensemble_export.py", "test_serve_hostile.py", "test_serve.py", "test_fuzz.py", "test_bench.py")
 
 
 def pytest_collection_modifyitems(items):

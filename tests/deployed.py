@@ -1,7 +1,7 @@
 """Two small trained variants, their `predict` dumps, the ensemble over them and their exports, made by the
 pipeline's own stages, for the tests of the deployment (export, the ONNX engine, the server, the benchmark).
 The variants and the ensemble are built once (`trained`); the variants' own exports (`deployed`) and the
-ensemble's export (`ensemble_export`) are built from them apart, so two workers build them at once.
+ensemble's export (`ensemble_export`) are each built from them, once per session.
 
 The variants are built from the 2-layer backbone with perturbed weights instead of trained (a folder as
 `train` writes it, in seconds), and between them cover every task kind and encoding: `cross` (one shared
