@@ -18,7 +18,9 @@ class InProcess(threading.Thread):
 
         super().__init__(daemon=True)
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        # a test that failed with requests in flight is not held up by them at the server's shutdown
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error",
+                                                    timeout_graceful_shutdown=2))
 
     def run(self) -> None:
         self.server.run()

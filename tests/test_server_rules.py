@@ -14,6 +14,7 @@ import json
 import re
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -25,8 +26,10 @@ from tests.conftest import wait_for
 from tests.inprocess import InProcess
 
 KEY = "s3cret-token"
+PATIENCE = 10  # seconds for what takes milliseconds here: the server's answers, its counters, the engine's gate
 SENTENCE = {"kind": "classification", "columns": ["prob_0", "prob_1"], "text": ["sentence"], "encoding": "single",
             "clean": {"replace": []}, "graphs": {"onnx": "sst.onnx"}}
+PLANTED_FAILURE = "a planted\nengine failure, " + "long " * 80  # several lines, over 300 characters
 PAIR = {"kind": "binary", "columns": ["prob_1"], "text": ["sentence1", "sentence2"], "encoding": "bi",
         "clean": {"replace": []}, "graphs": {"onnx": "qqp.onnx"}}
 
@@ -43,10 +46,12 @@ class GatedEngine:
         self.calls: list[list[tuple[str, ...]]] = []
 
     def predict(self, task: str, rows: list[tuple[str, ...]]) -> list[dict]:
+        if task not in self.tasks:
+            raise KeyError(f"no task {task!r}")
         self.calls.append(list(rows))
-        assert self.gate.wait(60), "the test never opened the gate"
+        assert self.gate.wait(PATIENCE), "the test never opened the gate"
         if any(text == "boom" for row in rows for text in row):
-            raise RuntimeError("a planted engine failure")
+            raise RuntimeError(PLANTED_FAILURE)
         return [{"prob_1": 0.5, "label": len(row[0])} for row in rows]
 
     def texts_called(self) -> list[str]:
@@ -59,12 +64,15 @@ def serving(engine: GatedEngine, limits=Limits(), admission=Admission(), operati
     """The app over `engine`, served in this process: its URL, the app (its lifecycle) and the server."""
     app = create_app(engine, limits=limits, batching=batching, admission=admission, operations=operations)
     server = InProcess(app)
-    with server as url:
-        yield url, app, server
+    try:
+        with server as url:
+            yield url, app, server
+    finally:
+        engine.gate.set()  # a test that failed with the gate shut leaves no engine call waiting
 
 
 def predict(url: str, texts: list, task: str = "sst", **headers) -> httpx.Response:
-    return httpx.post(f"{url}/predict", json={"task": task, "texts": texts}, headers=headers, timeout=60)
+    return httpx.post(f"{url}/predict", json={"task": task, "texts": texts}, headers=headers, timeout=PATIENCE)
 
 
 def in_background(call) -> tuple[threading.Thread, list]:
@@ -83,6 +91,10 @@ def counted(url: str, name: str, **labels) -> float:
         if line.startswith(f"{name}{{{wanted}}} ") or (not labels and line.startswith(f"{name} ")):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def until(condition, what: str) -> None:
+    wait_for(condition, what, timeout=PATIENCE)
 
 
 def submitted(url: str) -> int:
@@ -118,10 +130,13 @@ def test_predict_and_metrics_ask_for_the_token_and_the_probes_and_the_document_d
         for path in ("/predict", "/metrics"):
             method = "POST" if path == "/predict" else "GET"
             for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY},
-                            {"authorization": f"Basic {KEY}"}, {"authorization": f"Bearer {KEY}x"}):
+                            {"authorization": f"Basic {KEY}"}, {"authorization": f"Bearer {KEY}x"},
+                            {"x-api-key": f"Bearer {KEY}"}):  # the token counts only as Authorization
                 answer = httpx.request(method, f"{url}{path}", json={"task": "sst", "texts": ["a"]}, headers=headers)
                 assert answer.status_code == 401, (path, headers)
                 assert answer.headers["www-authenticate"] == "Bearer"
+                assert answer.headers["content-type"] == "application/json"
+                assert answer.headers["content-length"] == str(len(answer.content))
                 assert answer.json() == {"error": "missing or wrong bearer token: send `Authorization: Bearer "
                                                   "<key>` (--api-key)"}
         for written in (f"Bearer {KEY}", f"bearer {KEY}", f"BEARER   {KEY}"):
@@ -143,7 +158,7 @@ def test_past_the_concurrency_bound_a_predict_is_refused_at_once_and_the_others_
     engine.gate.clear()
     with serving(engine, admission=Admission(max_concurrent_requests=2)) as (url, _, _):
         held = [in_background(lambda: predict(url, ["a film"])) for _ in range(2)]
-        wait_for(lambda: submitted(url) == 2, "both requests in the server")
+        until(lambda: submitted(url) == 2, "both requests in the server")
         refused = predict(url, ["a third"])
         assert refused.status_code == 429
         assert refused.json() == {"error": "overloaded: 2 requests are in the server, its bound "
@@ -152,7 +167,7 @@ def test_past_the_concurrency_bound_a_predict_is_refused_at_once_and_the_others_
         assert httpx.get(f"{url}/health").status_code == 200  # only /predict is bounded
         engine.gate.set()
         for thread, answers in held:
-            thread.join(60)
+            thread.join(PATIENCE)
             assert answers[0].status_code == 200
         assert predict(url, ["a fourth"]).status_code == 200  # the bound counts requests inside, not ever seen
         assert counted(url, "mtbert_shed_requests_total", reason="overloaded") == 1
@@ -165,17 +180,19 @@ def test_past_the_queues_bound_of_texts_a_predict_is_refused_naming_the_bound():
     engine.gate.clear()
     with serving(engine, admission=Admission(max_queued_texts=3)) as (url, _, _):
         computing = in_background(lambda: predict(url, ["first"]))  # taken by the engine: no longer queued
-        wait_for(lambda: len(engine.calls) == 1, "the first request in the engine")
-        queued = in_background(lambda: predict(url, ["a", "b", "c"]))  # the queue's 3 texts
-        wait_for(lambda: submitted(url) == 2, "the second request queued")
+        until(lambda: len(engine.calls) == 1, "the first request in the engine")
+        queued = [in_background(lambda: predict(url, ["a", "b"]))]
+        until(lambda: submitted(url) == 2, "the second request queued")
+        queued.append(in_background(lambda: predict(url, ["c"])))  # the queue's 3 texts, of two requests
+        until(lambda: submitted(url) == 3, "the third request queued")
         refused = predict(url, ["one more"])
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"] == ("overloaded: 3 texts are waiting for the engine; this request's 1 would "
                                            "pass the bound of 3 (--max-queued-texts); send it again after "
                                            "Retry-After")
         engine.gate.set()
-        for thread, answers in (computing, queued):
-            thread.join(60)
+        for thread, answers in (computing, *queued):
+            thread.join(PATIENCE)
             assert answers[0].status_code == 200
         assert predict(url, ["a", "b", "c"]).status_code == 200  # the queue is empty again: 3 texts fit
         assert counted(url, "mtbert_shed_requests_total", reason="overloaded") == 1
@@ -199,14 +216,109 @@ def test_the_engines_speed_bounds_admission_once_the_queue_holds_work():
         batcher.withdraw(batcher.waiting[0])
         assert batcher.queued_texts == 0 and batcher.queued_chars == 0
         batcher.submit("sst", [("z" * 20,)], "first")
-        batcher.submit("sst", [("w" * 29,)], "within")  # (20 + 29) / 10 = 4.9 s, under the 5 s allowed
+        batcher.submit("sst", [("w" * 30,)], "within")  # (20 + 30) / 10 = 5 s: at most half the timeout
         with pytest.raises(Overloaded):
-            batcher.submit("sst", [("v" * 2,)], "over")  # (49 + 2) / 10 = 5.1 s
+            batcher.submit("sst", [("v",)], "over")  # (50 + 1) / 10 = 5.1 s
         assert batcher.requests == 3 and [pending.request_id for pending in batcher.waiting] == \
             ["alone", "first", "within"]
         batcher.executor.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_waiting_requests_share_calls_up_to_max_batch_and_a_failed_call_is_retried_one_request_at_a_time():
+    engine = GatedEngine()
+    engine.gate.clear()
+    with serving(engine, batching=Batching(max_batch=3, wait_ms=0)) as (url, _, _):
+        first = in_background(lambda: predict(url, ["a"]))
+        until(lambda: len(engine.calls) == 1, "the first request in the engine")
+        waiting = []
+        for count, texts in enumerate((["b1", "b2"], ["boom"], ["d"]), start=2):  # queued in this order
+            waiting.append(in_background(lambda texts=texts: predict(url, texts)))
+            until(lambda count=count: submitted(url) == count, f"request {count} queued")
+        engine.gate.set()
+        answers = [thread.join(PATIENCE) or answer[0] for thread, answer in (first, *waiting)]
+        assert [answer.status_code for answer in answers] == [200, 200, 500, 200]
+        assert answers[1].json()["results"] == [{"prob_1": 0.5, "label": 2}, {"prob_1": 0.5, "label": 2}]
+        # the second batch holds 3 texts (b1, b2, boom); its call fails, so each request runs alone
+        assert engine.calls == [[("a",)], [("b1",), ("b2",), ("boom",)], [("b1",), ("b2",)], [("boom",)], [("d",)]]
+        assert httpx.get(f"{url}/health").json()["engine_calls"] == 3  # the calls that answered
+
+
+def test_a_failed_request_does_not_hold_up_another_tasks_request_in_its_batch(capfd):
+    engine = GatedEngine()
+    engine.gate.clear()
+    with serving(engine) as (url, _, _):
+        first = in_background(lambda: predict(url, ["a"]))
+        until(lambda: len(engine.calls) == 1, "the first request in the engine")
+        failing = in_background(lambda: predict(url, ["boom", "fine"], **{"x-request-id": "bad-2"}))
+        until(lambda: submitted(url) == 2, "the failing request queued")
+        other = in_background(lambda: predict(url, [["x", "y"]], task="qqp"))
+        until(lambda: submitted(url) == 3, "the other task's request queued")
+        engine.gate.set()
+        statuses = [thread.join(PATIENCE) or answer[0].status_code for thread, answer in (first, failing, other)]
+        assert statuses == [200, 500, 200]
+    assert "request bad-2: the engine failed on its 2 text(s) of task sst: RuntimeError: a planted engine failure" \
+        in capfd.readouterr().err
+
+
+def test_a_request_longer_than_a_call_is_cut_by_texts_and_characters_and_answered_whole():
+    engine = GatedEngine()
+    with serving(engine, batching=Batching(max_batch=3, max_batch_chars=10, wait_ms=0)) as (url, _, _):
+        texts = ["aaaa", "bbbb", "cccc", "d", "e", "f", "g"]
+        answer = predict(url, texts)
+        assert [result["label"] for result in answer.json()["results"]] == [4, 4, 4, 1, 1, 1, 1]
+        # 4 + 4 characters, then 4 + 1 + 1 (three texts), then the last
+        assert engine.calls == [[("aaaa",), ("bbbb",)], [("cccc",), ("d",), ("e",)], [("f",), ("g",)]]
+        assert predict(url, [["x", "yy"]], task="qqp").json()["results"] == [{"prob_1": 0.5, "label": 1}]
+        engine.calls.clear()
+        assert predict(url, ["aaaa", "bbbbbb"]).status_code == 200  # 10 characters: the budget, one call
+        assert engine.calls == [[("aaaa",), ("bbbbbb",)]]
+        engine.calls.clear()
+        assert predict(url, ["a" * 30]).status_code == 200  # one text over the budget still goes, alone
+        assert engine.calls == [[("a" * 30,)]]
+
+
+def test_an_engine_calls_seconds_make_the_requests_compute_time_and_the_engines_speed(monkeypatch):
+    """Each call's seconds (a clock the test sets) add up in the request's compute time, and set the
+    engine's speed: characters a second, then a moving average with SPEED_MEMORY of the past."""
+    from mtbert.deploy import batcher as batching
+    from mtbert.deploy.metrics import ServerMetrics
+
+    class Clock:
+        def __init__(self, readings):
+            self.readings = iter(readings)
+
+        def monotonic(self) -> float:
+            return next(self.readings)
+
+    async def scenario() -> None:
+        batcher = batching.MicroBatcher(GatedEngine(), Batching(max_batch=2), Admission(), ServerMetrics())
+        batcher.arrived = asyncio.Event()
+        pending = batcher.submit("sst", [("abcd",), ("ef",), ("ghijkl",)], "r1")
+        pending.queued_at = 0.0
+        # readings: taken at 1; call 1 from 2 to 4 (2 s); call 2 from 10 to 10.5 (0.5 s)
+        monkeypatch.setattr(batching, "time", Clock([1.0, 2.0, 4.0, 10.0, 10.5]))
+        await batcher.run_batch(batcher.take_batch())
+        assert [result["label"] for result in pending.future.result()] == [4, 2, 6]
+        assert pending.queue_seconds == 1.0 and pending.compute_seconds == 2.5
+        first_speed = 6 / 2.0  # abcd + ef in 2 s
+        assert batcher.chars_per_second == \
+            batching.SPEED_MEMORY * first_speed + (1 - batching.SPEED_MEMORY) * 6 / 0.5  # then ghijkl in 0.5 s
+        assert batcher.engine_calls == 2 and batcher.call_started is None
+        batcher.executor.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_batch_waits_wait_ms_for_more_requests(capfd):
+    logging_json = Operations(access_log="json")
+    with serving(GatedEngine(), batching=Batching(wait_ms=300), operations=logging_json) as (url, _, _):
+        assert predict(url, ["a film"], **{"x-request-id": "waited"}).status_code == 200
+        written: list[str] = []
+        until(lambda: written.append(capfd.readouterr().err) or '"waited"' in "".join(written), "its log line")
+    line = next(json.loads(text) for text in "".join(written).splitlines() if '"waited"' in text)
+    assert line["queue_seconds"] >= 0.3  # a sleep is never shorter than asked
 
 
 def test_a_text_counts_its_characters_up_to_the_cap():
@@ -220,64 +332,140 @@ def test_a_text_counts_its_characters_up_to_the_cap():
 def test_past_its_deadline_a_request_gets_503_and_a_queued_one_is_never_computed():
     engine = GatedEngine()
     engine.gate.clear()
-    with serving(engine, admission=Admission(request_timeout=0.5)) as (url, _, _):
-        computing = in_background(lambda: predict(url, ["computing"]))
-        wait_for(lambda: len(engine.calls) == 1, "the first request in the engine")
+    with serving(engine, admission=Admission(request_timeout=0.5), batching=Batching(max_batch=1, wait_ms=0)) \
+            as (url, _, _):
+        computing = in_background(lambda: predict(url, ["computing", "its second text"]))  # one call each
+        until(lambda: len(engine.calls) == 1, "the first request in the engine")
         queued = predict(url, ["queued"])  # waits behind it until its own deadline
         assert queued.status_code == 503 and queued.headers["retry-after"] == "1"
         assert queued.json() == {"error": "not answered within the request timeout of 0.5 s (--request-timeout): "
                                           "the server is busy; send it again later"}
-        computing[0].join(60)
+        computing[0].join(PATIENCE)
         assert computing[1][0].status_code == 503
         engine.gate.set()
         assert predict(url, ["after"]).status_code == 200
-        assert engine.texts_called() == ["computing", "after"]  # "queued" left the queue uncomputed
+        # "queued" left the queue uncomputed, and the rest of the one cut short is dropped
+        assert engine.texts_called() == ["computing", "after"]
         assert counted(url, "mtbert_shed_requests_total", reason="timeout") == 2
         assert counted(url, "mtbert_requests_total", endpoint="/predict", status="503") == 2
         assert counted(url, "mtbert_queue_depth") == 0
 
 
 def test_the_end_of_the_grace_period_answers_every_request_in_flight_503():
+    """The lifecycle the drain reads: requests in flight, the time of the last activity, the requests served
+    since the drain began; at the grace period's end every request still in flight gets its 503; and at
+    the server's exit the app's own shutdown runs."""
     engine = GatedEngine()
     engine.gate.clear()
     with serving(engine) as (url, app, server):
-        held = [in_background(lambda: predict(url, ["held"])) for _ in range(2)]
-        wait_for(lambda: submitted(url) == 2, "both requests in the server")
         lifecycle = app.state.lifecycle
+        quiet_since = lifecycle.last_activity
+        held = [in_background(lambda: predict(url, ["held"])) for _ in range(2)]
+        until(lambda: submitted(url) == 2, "both requests in the server")
+        until(lambda: lifecycle.in_flight == 2, "both counted in flight")
+        assert lifecycle.last_activity > quiet_since
         server.call_soon(lifecycle.begin_drain)  # what a SIGTERM does (mtbert/deploy/lifecycle.py)
-        wait_for(lambda: httpx.get(f"{url}/ready").status_code == 503, "the drain begun")
+        until(lambda: lifecycle.draining, "the drain begun")
+        assert httpx.get(f"{url}/ready").status_code == 503
         answer = httpx.get(f"{url}/health")
         assert answer.headers["connection"] == "close" and answer.json()["draining"] is True
         server.call_soon(lambda: [answer_now() for answer_now in lifecycle.on_grace_end])  # the grace period's end
         for thread, answers in held:
-            thread.join(60)
+            thread.join(PATIENCE)
             assert answers[0].status_code == 503 and answers[0].headers["retry-after"] == "1"
             assert answers[0].json() == {"error": "the server is shutting down and its grace period ended before "
                                                   "this request was served; send it again (to another server)"}
+        # since the drain began: /ready, /health and the two refused
+        until(lambda: lifecycle.in_flight == 0 and lifecycle.served == 4, "every request out, four served")
         engine.gate.set()
         assert counted(url, "mtbert_shed_requests_total", reason="shutdown") == 2
-        assert lifecycle.served >= 4  # since the drain began: /ready, /health and the two refused
+    assert lifecycle.ready is False  # the app's shutdown ran (its micro-batcher stopped)
 
 
-def test_a_client_that_hangs_up_is_counted_499_and_its_rows_are_dropped():
+def test_health_is_503_while_an_engine_call_runs_past_the_request_timeout():
+    engine = GatedEngine()
+    engine.gate.clear()
+    with serving(engine, admission=Admission(request_timeout=0.5)) as (url, _, _):
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"
+        stuck = in_background(lambda: predict(url, ["stuck"]))
+        until(lambda: httpx.get(f"{url}/health").status_code == 503, "the stalled engine call seen")
+        body = httpx.get(f"{url}/health").json()
+        assert body["status"] == "unhealthy" and body["engine_calls"] == 0 and body["requests"] == 1
+        ran = re.fullmatch(r"an engine call has run for (\d+) s, past the request timeout of 0.5 s", body["error"])
+        assert ran and int(ran.group(1)) <= PATIENCE, body["error"]
+        stuck[0].join(PATIENCE)
+        assert stuck[1][0].status_code == 503  # its own deadline passed
+        engine.gate.set()
+        until(lambda: httpx.get(f"{url}/health").status_code == 200, "the engine healthy again")
+        assert httpx.get(f"{url}/health").json() == {"status": "ok", "tasks": ["sst", "qqp"], "requests": 1,
+                                                    "engine_calls": 1, "draining": False}
+
+
+def test_an_aborted_request_keeps_its_first_reason_and_a_finished_one_is_not_aborted():
+    from mtbert.deploy.middleware import Exchange
+
+    async def scenario() -> None:
+        running = Exchange("r1", "/predict")
+        running.task = asyncio.ensure_future(asyncio.sleep(PATIENCE))
+        running.abort("timeout")
+        running.abort("shutdown")  # the grace period ends while its 503 is on its way
+        assert running.aborted == "timeout"
+        with contextlib.suppress(asyncio.CancelledError):
+            await running.task
+        assert running.task.cancelled()
+        finished = Exchange("r2", "/predict")
+        finished.task = asyncio.ensure_future(asyncio.sleep(0))
+        await finished.task
+        finished.abort("timeout")
+        assert finished.aborted is None
+        unstarted = Exchange("r3", "/predict")  # no task yet: nothing to abort
+        unstarted.abort("shutdown")
+        assert unstarted.aborted is None
+
+    asyncio.run(scenario())
+
+
+def test_the_batching_loop_says_when_it_has_stopped():
+    from mtbert.deploy.batcher import MicroBatcher
+    from mtbert.deploy.metrics import ServerMetrics
+
+    async def scenario() -> None:
+        batcher = MicroBatcher(GatedEngine(), Batching(), Admission(), ServerMetrics())
+        assert not batcher.stopped()  # not started
+        batcher.start()
+        await asyncio.sleep(0)
+        assert not batcher.stopped() and batcher.stalled(0.0) is None  # running, no engine call
+        batcher.loop_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await batcher.loop_task
+        assert batcher.stopped()
+        await batcher.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_hangs_up_is_counted_499_and_its_rows_are_dropped(capfd):
     engine = GatedEngine()
     engine.gate.clear()
     with serving(engine) as (url, _, _):
         computing = in_background(lambda: predict(url, ["computing"]))
-        wait_for(lambda: len(engine.calls) == 1, "the first request in the engine")
+        until(lambda: len(engine.calls) == 1, "the first request in the engine")
         body = json.dumps({"task": "sst", "texts": ["gone"]}).encode()
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port)) as client:
-            client.sendall(b"POST /predict HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            client.sendall(b"POST /predict HTTP/1.1\r\nhost: x\r\nx-request-id: gone-1\r\n"
+                           b"content-type: application/json\r\n"
                            + f"content-length: {len(body)}\r\n\r\n".encode() + body)
-            wait_for(lambda: submitted(url) == 2, "the request queued")
-        wait_for(lambda: counted(url, "mtbert_requests_total", endpoint="/predict", status="499") == 1,
+            until(lambda: submitted(url) == 2, "the request queued")
+        until(lambda: counted(url, "mtbert_requests_total", endpoint="/predict", status="499") == 1,
                  "the hang-up counted")
         engine.gate.set()
-        computing[0].join(60)
+        computing[0].join(PATIENCE)
         assert predict(url, ["after"]).status_code == 200
         assert engine.texts_called() == ["computing", "after"]
         assert counted(url, "mtbert_shed_requests_total", reason="client_gone") == 1
+    assert "request gone-1: the client hung up while its request waited for the engine; nothing was sent" in \
+        capfd.readouterr().err
 
 
 # --- counting and access logs -------------------------------------------------------------------------------
@@ -295,7 +483,7 @@ def test_each_request_is_counted_once_by_endpoint_and_status_and_unknown_paths_a
         assert counted(url, "mtbert_request_seconds_count", endpoint="/predict") == 2
 
 
-def test_a_failing_engine_fails_only_its_own_request_with_a_500_naming_its_id():
+def test_a_failing_engine_fails_only_its_own_request_with_a_500_naming_its_id(capfd):
     with serving(GatedEngine()) as (url, _, _):
         failed = predict(url, ["boom"], **{"x-request-id": "bad-1"})
         assert failed.status_code == 500
@@ -303,12 +491,21 @@ def test_a_failing_engine_fails_only_its_own_request_with_a_500_naming_its_id():
                                           "the details under its id bad-1"}
         assert predict(url, ["fine"]).json() == {"task": "sst", "results": [{"prob_1": 0.5, "label": 4}]}
         assert counted(url, "mtbert_engine_errors_total") == 1
+    # the log says why, in one line cut to 300 characters of the error; no access log by default, no traceback
+    err = capfd.readouterr().err
+    assert '"POST /predict"' not in err and "Traceback" not in err
+    logged = [line for line in err.splitlines() if "request bad-1:" in line]
+    cause = " ".join(PLANTED_FAILURE.split())[:300]
+    assert len(logged) == 1 and logged[0].endswith(
+        f"request bad-1: the engine failed on its 1 text(s) of task sst: RuntimeError: {cause}"), logged
 
 
 @pytest.mark.parametrize("style", ["json", "text"])
 def test_each_request_is_one_access_log_line(style, capfd):
     with serving(GatedEngine(), operations=Operations(access_log=style)) as (url, _, _):
+        sent = time.monotonic()
         predict(url, ["a film", "another"], **{"x-request-id": "log-1"})
+        round_trip = time.monotonic() - sent
         httpx.get(f"{url}/tasks", headers={"x-request-id": "log-2"})
         written: list[str] = []  # the line is written just after the answer's last byte: wait for it
 
@@ -316,14 +513,16 @@ def test_each_request_is_one_access_log_line(style, capfd):
             written.append(capfd.readouterr().err)
             return "id=log-2" in written[-1] or '"log-2"' in "".join(written)
 
-        wait_for(logged, "the second request's log line")
+        until(logged, "the second request's log line")
     lines = [line for line in "".join(written).splitlines() if "log-" in line]
     assert len(lines) == 2, lines
     if style == "json":
         first, second = map(json.loads, lines)
         assert {key: first[key] for key in ("request_id", "method", "path", "status", "texts")} == \
             {"request_id": "log-1", "method": "POST", "path": "/predict", "status": 200, "texts": 2}
-        assert first["queue_seconds"] >= 0 and first["compute_seconds"] >= 0 and first["seconds"] > 0
+        assert first["queue_seconds"] >= 0 and first["compute_seconds"] >= 0
+        assert 0 < first["seconds"] <= round_trip and first["seconds"] == round(first["seconds"], 6)
+        assert first["queue_seconds"] + first["compute_seconds"] <= first["seconds"]
         assert first["client"].startswith("127.0.0.1:") and isinstance(first["time"], float)
         assert second["path"] == "/tasks" and second["queue_seconds"] is None and second["texts"] is None
     else:
@@ -349,9 +548,12 @@ def test_the_predict_schema_accepts_what_the_server_answers_and_refuses_what_it_
                {"task": "sst", "texts": [""]}, {"task": "sst", "texts": [["a", "b"]]},
                {"task": "qqp", "texts": ["a"]}, {"task": "qqp", "texts": [["a"]]},
                {"task": "qqp", "texts": [["a", "b", "c"]]},
-               {"task": "sst", "texts": ["a"], "extra": 1}, {"task": "sst", "texts": [1]}]
+               {"task": "sst", "texts": ["a"], "extra": 1}, {"task": "sst", "texts": [1]},
+               {"task": "qqp", "texts": [[1, 2]]}, {"task": "sst", "texts": "a"}, ["sst", ["a"]], "a"]
     assert [validator.is_valid(case) for case in accepted] == [True] * len(accepted)
     assert [case for case in refused if validator.is_valid(case)] == []
+    one_task = schema.predict_body({"sst": 1}, max_texts=2, max_chars=5)["requestBody"]["content"]
+    assert not jsonschema_rs.validator_for(one_task["application/json"]["schema"]).is_valid(["sst", ["a"]])
     text = body["requestBody"]["content"]["application/json"]["schema"]["oneOf"][0]["properties"]["texts"]["items"]
     assert text["format"] == schema.VISIBLE_TEXT
 
