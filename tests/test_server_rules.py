@@ -38,11 +38,12 @@ class GatedEngine:
     """Two tasks as an export's manifest describes them (a sentence, a pair), and engine calls that wait at a
     gate while it is shut. Records each call's rows; a text "boom" makes its call fail."""
 
-    def __init__(self):
+    def __init__(self, shut: bool = False):
         self.tasks = {"sst": ExportedTask.from_manifest("sst", SENTENCE, "test"),
                       "qqp": ExportedTask.from_manifest("qqp", PAIR, "test")}
         self.gate = threading.Event()
-        self.gate.set()
+        if not shut:
+            self.gate.set()
         self.calls: list[list[tuple[str, ...]]] = []
 
     def predict(self, task: str, rows: list[tuple[str, ...]]) -> list[dict]:
@@ -91,6 +92,13 @@ def counted(url: str, name: str, **labels) -> float:
         if line.startswith(f"{name}{{{wanted}}} ") or (not labels and line.startswith(f"{name} ")):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def held_in_the_engine(url: str, engine: GatedEngine, texts: list[str]) -> tuple[threading.Thread, list]:
+    """A request sent in the background and held in the engine's first call, at its shut gate."""
+    held = in_background(lambda: predict(url, texts))
+    until(lambda: len(engine.calls) == 1, "the first request in the engine")
+    return held
 
 
 def until(condition, what: str) -> None:
@@ -154,8 +162,7 @@ def test_without_a_key_nothing_asks_for_a_token():
 
 # --- admission ----------------------------------------------------------------------------------------------
 def test_past_the_concurrency_bound_a_predict_is_refused_at_once_and_the_others_are_answered():
-    engine = GatedEngine()
-    engine.gate.clear()
+    engine = GatedEngine(shut=True)
     with serving(engine, admission=Admission(max_concurrent_requests=2)) as (url, _, _):
         held = [in_background(lambda: predict(url, ["a film"])) for _ in range(2)]
         until(lambda: submitted(url) == 2, "both requests in the server")
@@ -176,11 +183,9 @@ def test_past_the_concurrency_bound_a_predict_is_refused_at_once_and_the_others_
 
 
 def test_past_the_queues_bound_of_texts_a_predict_is_refused_naming_the_bound():
-    engine = GatedEngine()
-    engine.gate.clear()
+    engine = GatedEngine(shut=True)
     with serving(engine, admission=Admission(max_queued_texts=3)) as (url, _, _):
-        computing = in_background(lambda: predict(url, ["first"]))  # taken by the engine: no longer queued
-        until(lambda: len(engine.calls) == 1, "the first request in the engine")
+        computing = held_in_the_engine(url, engine, ["first"])  # taken by the engine: no longer queued
         queued = [in_background(lambda: predict(url, ["a", "b"]))]
         until(lambda: submitted(url) == 2, "the second request queued")
         queued.append(in_background(lambda: predict(url, ["c"])))  # the queue's 3 texts, of two requests
@@ -227,11 +232,9 @@ def test_the_engines_speed_bounds_admission_once_the_queue_holds_work():
 
 
 def test_waiting_requests_share_calls_up_to_max_batch_and_a_failed_call_is_retried_one_request_at_a_time():
-    engine = GatedEngine()
-    engine.gate.clear()
+    engine = GatedEngine(shut=True)
     with serving(engine, batching=Batching(max_batch=3, wait_ms=0)) as (url, _, _):
-        first = in_background(lambda: predict(url, ["a"]))
-        until(lambda: len(engine.calls) == 1, "the first request in the engine")
+        first = held_in_the_engine(url, engine, ["a"])
         waiting = []
         for count, texts in enumerate((["b1", "b2"], ["boom"], ["d"]), start=2):  # queued in this order
             waiting.append(in_background(lambda texts=texts: predict(url, texts)))
@@ -246,11 +249,9 @@ def test_waiting_requests_share_calls_up_to_max_batch_and_a_failed_call_is_retri
 
 
 def test_a_failed_request_does_not_hold_up_another_tasks_request_in_its_batch(capfd):
-    engine = GatedEngine()
-    engine.gate.clear()
+    engine = GatedEngine(shut=True)
     with serving(engine) as (url, _, _):
-        first = in_background(lambda: predict(url, ["a"]))
-        until(lambda: len(engine.calls) == 1, "the first request in the engine")
+        first = held_in_the_engine(url, engine, ["a"])
         failing = in_background(lambda: predict(url, ["boom", "fine"], **{"x-request-id": "bad-2"}))
         until(lambda: submitted(url) == 2, "the failing request queued")
         other = in_background(lambda: predict(url, [["x", "y"]], task="qqp"))
@@ -330,12 +331,10 @@ def test_a_text_counts_its_characters_up_to_the_cap():
 
 # --- deadlines, the grace period, clients that hang up ------------------------------------------------------
 def test_past_its_deadline_a_request_gets_503_and_a_queued_one_is_never_computed():
-    engine = GatedEngine()
-    engine.gate.clear()
+    engine = GatedEngine(shut=True)
     with serving(engine, admission=Admission(request_timeout=0.5), batching=Batching(max_batch=1, wait_ms=0)) \
             as (url, _, _):
-        computing = in_background(lambda: predict(url, ["computing", "its second text"]))  # one call each
-        until(lambda: len(engine.calls) == 1, "the first request in the engine")
+        computing = held_in_the_engine(url, engine, ["computing", "its second text"])  # one call each
         queued = predict(url, ["queued"])  # waits behind it until its own deadline
         assert queued.status_code == 503 and queued.headers["retry-after"] == "1"
         assert queued.json() == {"error": "not answered within the request timeout of 0.5 s (--request-timeout): "
@@ -355,8 +354,7 @@ def test_the_end_of_the_grace_period_answers_every_request_in_flight_503():
     """The lifecycle the drain reads: requests in flight, the time of the last activity, the requests served
     since the drain began; at the grace period's end every request still in flight gets its 503; and at
     the server's exit the app's own shutdown runs."""
-    engine = GatedEngine()
-    engine.gate.clear()
+    engine = GatedEngine(shut=True)
     with serving(engine) as (url, app, server):
         lifecycle = app.state.lifecycle
         quiet_since = lifecycle.last_activity
@@ -383,8 +381,7 @@ def test_the_end_of_the_grace_period_answers_every_request_in_flight_503():
 
 
 def test_health_is_503_while_an_engine_call_runs_past_the_request_timeout():
-    engine = GatedEngine()
-    engine.gate.clear()
+    engine = GatedEngine(shut=True)
     with serving(engine, admission=Admission(request_timeout=0.5)) as (url, _, _):
         assert httpx.get(f"{url}/health").json()["status"] == "ok"
         stuck = in_background(lambda: predict(url, ["stuck"]))
@@ -445,11 +442,9 @@ def test_the_batching_loop_says_when_it_has_stopped():
 
 
 def test_a_client_that_hangs_up_is_counted_499_and_its_rows_are_dropped(capfd):
-    engine = GatedEngine()
-    engine.gate.clear()
+    engine = GatedEngine(shut=True)
     with serving(engine) as (url, _, _):
-        computing = in_background(lambda: predict(url, ["computing"]))
-        until(lambda: len(engine.calls) == 1, "the first request in the engine")
+        computing = held_in_the_engine(url, engine, ["computing"])
         body = json.dumps({"task": "sst", "texts": ["gone"]}).encode()
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port)) as client:
