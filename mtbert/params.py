@@ -345,6 +345,19 @@ class CaptureSteps(Section):
                                    "several ranks) runs the eager step and says why. A CPU has no captured steps.")
 
 
+class FrozenStatesOn(Section):
+    """The frozen bottom's output computed once per row (train.freeze_layers; mtbert/training/frozen_states.py)."""
+    cpu: bool = Field(description="On a CPU: with the bottom N layers frozen and shared by every task, each "
+                                  "training and dev row's output of them is computed once, before the first step, "
+                                  "and a step runs only the layers above. The same network, up to float rounding.")
+    cuda: bool = Field(description="On a GPU: off by default, as the bottom layers cost little there and a captured "
+                                   "step has not been tried with the states.")
+
+    def on(self, device_type: str) -> bool:
+        """Whether it is on for a torch device type ("cpu", "cuda")."""
+        return self.cuda if device_type == "cuda" else self.cpu
+
+
 class EvalBatchSize(Section):
     """Rows per batch when a stage predicts a whole split (the dev evaluation, `predict`), per device."""
     cpu: Count = Field(description="On a CPU; 0: the stage's own (train.eval_batch_size, predict.batch_size).")
@@ -370,6 +383,7 @@ class RuntimeParams(Section):
                                                        "change, as they do on another device.")
     capture: CaptureSteps = Field(description="Training steps captured as CUDA graphs, per device.")
     eval_batch_size: EvalBatchSize = Field(description="Rows per batch of a whole split's predictions, per device.")
+    frozen_states: FrozenStatesOn = Field(description="The frozen bottom layers run once per row, per device.")
     onednn_cache: Count = Field(description="oneDNN kernels kept, one per op and shape (bf16 only); 0: oneDNN's "
                                             "default (1024).")
     malloc_threshold_mb: Count = Field(description="glibc's mmap and trim threshold; 0: glibc's adaptive "

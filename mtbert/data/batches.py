@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -96,6 +97,12 @@ class TokenColumn:
         return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64))
 
 
+class RowStates(Protocol):
+    """What a split's batches carry beside the tokens: training/frozen_states.py's `FrozenStates`."""
+
+    def add_to(self, batch: dict[str, torch.Tensor], rows: np.ndarray) -> None: ...
+
+
 @dataclasses.dataclass
 class TaskSplit:
     """One task's split: ids, labels (NaN when unlabeled), token columns and the id they are padded with."""
@@ -104,6 +111,7 @@ class TaskSplit:
     labels: np.ndarray
     tokens: dict[str, TokenColumn]
     pad_id: int = 0
+    states: RowStates | None = None  # the frozen bottom's output of each row (training/frozen_states.py)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -125,6 +133,8 @@ class TaskSplit:
         else:
             batch["input_ids"], batch["attention_mask"] = self.tokens["input_ids"].padded(rows, self.pad_id, multiple)
             batch["token_type_ids"], _ = self.tokens["token_type_ids"].padded(rows, multiple=multiple)
+        if self.states is not None:
+            self.states.add_to(batch, rows)
         return batch
 
 

@@ -126,6 +126,14 @@ class TaskEncoders(nn.Module):
         return [self.shared]
 
     @property
+    def shared_depth(self) -> int:
+        """How many bottom layers (with the embeddings) are one module in every task's one encoder: all for
+        `shared`, all but the task layers for `cerbertus`; none where a task owns a whole encoder or its head
+        reads two."""
+        layers = self.shared.config.num_hidden_layers
+        return {"shared": layers, "cerbertus": layers - self.task_layers}.get(self.arch, 0)
+
+    @property
     def width(self) -> int:
         """How many encoders' pooled outputs each head sees."""
         return len(self.for_task(self.task_names[0]))

@@ -10,6 +10,7 @@ from torch import nn
 from mtbert.data.tasks import Task
 from mtbert.model.architectures import TaskEncoders
 from mtbert.model.families import family_of
+from mtbert.model.frozen import starting_from
 from mtbert.model.heads import CosineHead, MLPHead, RoutedHead, VectorRouting, is_cosine
 from mtbert.model.pooling import pool
 from mtbert.params import HeadParams
@@ -21,7 +22,13 @@ class MultitaskModel(nn.Module):
 
     `arch` and `task_layers` (model.arch, model.task_layers) decide which encoders each head reads; see
     mtbert/model/architectures.py.
+
+    A batch may carry, beside the token ids, the states of the encoder's frozen bottom (`states`, or
+    `states_1` / `states_2` for a bi-encoder's sentences: mtbert/training/frozen_states.py); the encoder then
+    runs only the `states_depth` layers above them.
     """
+
+    states_depth = 0  # the bottom layers whose output a batch's `states` hold (set by training/build.py)
 
     def __init__(self, encoder: nn.Module, tasks: dict[str, Task], heads: dict[str, HeadParams],
                  arch: str = "shared", task_layers: int = 0):
@@ -77,23 +84,31 @@ class MultitaskModel(nn.Module):
             return MLPHead(4 * in_dim, hidden_dim, out_dim, hidden_layers, params.dropout)
         return MLPHead(in_dim, hidden_dim, out_dim, hidden_layers, params.dropout)
 
-    def embed(self, task: str, input_ids, attention_mask, pooling: str, token_type_ids=None) -> torch.Tensor:
+    def embed(self, task: str, input_ids, attention_mask, pooling: str, token_type_ids=None,
+              states=None) -> torch.Tensor:
         if pooling == "routing":
-            return self._route(task, input_ids, attention_mask, token_type_ids)
+            return self._route(task, input_ids, attention_mask, token_type_ids, states)
         pooled = []
-        types = self.family.encoder_inputs(token_type_ids)  # none for a family without token types (MPNet)
         for encoder in self.encoders.for_task(task):
-            output = encoder(input_ids=input_ids, attention_mask=attention_mask, **types)
+            output = self._encode(encoder, input_ids, attention_mask, token_type_ids, states)
             pooled.append(pool(pooling, output.last_hidden_state, attention_mask,
                                getattr(output, "pooler_output", None)))
         return pooled[0] if len(pooled) == 1 else torch.cat(pooled, -1)
 
-    def _route(self, task: str, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
+    def _route(self, task: str, input_ids, attention_mask, token_type_ids=None, states=None) -> torch.Tensor:
         """The token vectors of the task's encoder(s), side by side, routed by its head: (B, n_out * d_out)."""
-        types = self.family.encoder_inputs(token_type_ids)
-        states = [encoder(input_ids=input_ids, attention_mask=attention_mask, **types).last_hidden_state
-                  for encoder in self.encoders.for_task(task)]
-        return self.heads[task].pool(torch.cat(states, -1), attention_mask)
+        vectors = [self._encode(encoder, input_ids, attention_mask, token_type_ids, states).last_hidden_state
+                   for encoder in self.encoders.for_task(task)]
+        return self.heads[task].pool(torch.cat(vectors, -1), attention_mask)
+
+    def _encode(self, encoder: nn.Module, input_ids, attention_mask, token_type_ids, states):
+        """The encoder's output, from its embeddings, or from its frozen bottom's `states` where the batch
+        brought them."""
+        types = self.family.encoder_inputs(token_type_ids)  # none for a family without token types (MPNet)
+        if states is None:
+            return encoder(input_ids=input_ids, attention_mask=attention_mask, **types)
+        with starting_from(encoder, self.states_depth, states):
+            return encoder(input_ids=input_ids, attention_mask=attention_mask, **types)
 
     def forward(self, task: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         params = self.head_params[task]
@@ -104,7 +119,7 @@ class MultitaskModel(nn.Module):
             out = head(u, v) if cosine else head(torch.cat([u, v, (u - v).abs(), u * v], -1))
         else:
             out = head(self.embed(task, batch["input_ids"], batch["attention_mask"], params.pooling,
-                                  batch.get("token_type_ids")))
+                                  batch.get("token_type_ids"), batch.get("states")))
         return self.tasks[task].kind.head_output(out, params, cosine)
 
     def _embed_pair(self, task: str, batch, pooling: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +130,11 @@ class MultitaskModel(nn.Module):
                          F.pad(ids_2, (0, width - ids_2.shape[1]), value=pad)])
         mask = torch.cat([F.pad(batch["attention_mask_1"], (0, width - ids_1.shape[1])),
                           F.pad(batch["attention_mask_2"], (0, width - ids_2.shape[1]))])
-        pooled = self.embed(task, ids, mask, pooling)
+        states = None
+        if "states_1" in batch:  # (B, T, hidden): padded along T as the ids are
+            states = torch.cat([F.pad(batch["states_1"], (0, 0, 0, width - ids_1.shape[1])),
+                                F.pad(batch["states_2"], (0, 0, 0, width - ids_2.shape[1]))])
+        pooled = self.embed(task, ids, mask, pooling, states=states)
         return pooled[: len(ids_1)], pooled[len(ids_1):]
 
     def predictions(self, task: str, outputs: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from mtbert.training.averaging import MovingAverage, NoAverage, weight_average
 from mtbert.training.capture import device_work
 from mtbert.training.distillation import GoldLabels
 from mtbert.training.distributed import Ranks, sync_parameters
+from mtbert.training.frozen_states import states_depth, with_frozen_states
 from mtbert.training.loop import FiniteWatch, Paths, Stopwatch, fingerprint, trainable
 from mtbert.training.losses import Objective, kind_losses
 from mtbert.training.optim import make_optimizer
@@ -107,14 +108,13 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
     start = starting_point(params.model.name, paths.pretrained)
     model = MultitaskModel(load_encoder(start), tasks, params.heads, params.model.arch,
                            params.model.task_layers).to(device)
+    model.states_depth = states_depth(params, model, device)  # before the average copies the model
     sync_parameters(model, ranks)
     average = weight_average(model, p.ema)
     train_data = {name: load_split(paths.tokenized, task, "train", train_rows(p, name)) for name, task in tasks.items()}
     check_padding(train_data, model, paths.tokenized)
     train_data = {name: labels.taught(split) for name, split in train_data.items()}
     dev_data = {name: load_split(paths.tokenized, task, "dev", p.max_examples) for name, task in tasks.items()}
-    snapshot_data = {name: snapshot_splits(p, paths.tokenized, task, dev_data[name])
-                     for name, task in tasks.items()} if paths.snapshots and ranks.is_main else {}
     row_lengths = {name: split.lengths(model.encoding(name)) for name, split in train_data.items()}
     streams = {name: TaskStream(row_lengths[name], p.batch_size[name], p.bucket_batches, p.seed, index)
                for index, name in enumerate(train_data)}
@@ -124,6 +124,13 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
     average.share_frozen(model)  # after the optimiser froze the LR-0 weights
     if p.freeze_layers:
         without_dropout_where_frozen(model)
+    if model.states_depth:  # the frozen bottom's output of every row, once (training/frozen_states.py)
+        folder, batch_size = paths.checkpoints / f"frozen-states-{ranks.rank}", params.runtime.split_batches(
+            device.type, p.eval_batch_size)["batch_size"]
+        train_data, dev_data = (with_frozen_states(model, data, split, folder, fingerprint, bf16, batch_size, device)
+                                for data, split in ((train_data, "train"), (dev_data, "dev")))
+    snapshot_data = {name: snapshot_splits(p, paths.tokenized, task, dev_data[name])
+                     for name, task in tasks.items()} if paths.snapshots and ranks.is_main else {}
     objective = make_objective(model, params.smart, device, bf16, p.seed, labels.losses(kind_losses(model)))
     run = FineTuning(params, variant, paths, fingerprint, ranks, device, bf16, tasks, load_tokenizer(start), model,
                      train_data, dev_data, snapshot_data, row_lengths, streams, optimizer, scheduler, objective,

@@ -1,0 +1,202 @@
+"""The frozen bottom computed once per row (train.freeze_layers, runtime.frozen_states): the layers above its
+saved states give the whole encoder's output, a run with them trains the same network without running the
+bottom in its steps, and the saved states are reused only where their record says they are this run's."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mtbert.data.batches import load_split
+from mtbert.data.tasks import tasks_from_params
+from mtbert.evaluation.predictions import read_dump
+from mtbert.model.backbone import load_encoder
+from mtbert.model.dropout import without_dropout_where_frozen
+from mtbert.model.frozen import bottom_states
+from mtbert.model.multitask import MultitaskModel
+from mtbert.params_file import variant_params
+from mtbert.runtime import UnreadableInputError
+from mtbert.training import frozen_states
+from mtbert.training.frozen_states import states_depth, with_frozen_states
+from tests.conftest import make_params
+from tests.runs import train_summary
+from tests.test_train import run_paths
+
+
+def model_of(tmp_path: Path, backbone: Path, arch: str = "cerbertus", sts: dict | None = None, **changes):
+    """A 2-layer model as `train` builds it from make_params' params (changes: make_params' keyword arguments)."""
+    params = variant_params(make_params(tmp_path, backbone, Path("unused"), model={"arch": arch, "task_layers": 1},
+                                        heads={"sts": sts or {}}, **changes), "base")
+    model = MultitaskModel(load_encoder(str(backbone)), tasks_from_params(params.tasks), params.heads, arch, 1)
+    return model, params
+
+
+def layer_calls(layer: torch.nn.Module) -> list:
+    calls = []
+    layer.register_forward_hook(lambda module, args, output: calls.append(module.training))
+    return calls
+
+
+@pytest.mark.parametrize("sts", [{"encoding": "cross"}, {"encoding": "bi", "combine": "cosine"}])
+def test_the_layers_above_the_saved_states_give_the_whole_encoders_output(tmp_path, family_backbone, sts):
+    """Each family (BERT, and MPNet with its relative-position bias), one sentence and a pair read both ways: the
+    output from the bottom layer's states equals the whole encoder's, the bottom layer does not run, and the
+    states are what the output is computed from."""
+    model, _ = model_of(tmp_path, family_backbone, sts=sts)
+    model.eval()
+    model.states_depth = 1
+    pad = model.family.pad_id
+    torch.manual_seed(0)
+    ids = torch.randint(5, 1000, (3, 7))
+    mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2, [1] * 3 + [0] * 4])
+    ids[mask == 0] = pad
+    types = model.family.encoder_inputs(torch.zeros_like(ids))
+    bottom = model.encoder.encoder.layer[0]
+    calls = layer_calls(bottom)
+    with torch.no_grad():
+        states = bottom_states(model.encoder, 1, ids, mask, **types)
+        batches = {"sst": ({"input_ids": ids, "attention_mask": mask, **types}, {"states": states})}
+        if sts["encoding"] == "bi":  # the second sentences: others, narrower
+            ids_2, mask_2 = torch.randint(5, 1000, (3, 5)), mask[[2, 0, 1], :5]
+            ids_2[mask_2 == 0] = pad
+            states_2 = bottom_states(model.encoder, 1, ids_2, mask_2, **model.family.encoder_inputs(None))
+            batches["sts"] = ({"input_ids_1": ids, "attention_mask_1": mask, "input_ids_2": ids_2,
+                               "attention_mask_2": mask_2}, {"states_1": states, "states_2": states_2})
+        else:
+            batches["sts"] = batches["sst"]
+        for task, (batch, saved) in batches.items():
+            whole = model(task, batch)
+            calls.clear()
+            from_states = model(task, {**batch, **saved})
+            assert not calls, task  # the bottom layer did not run
+            torch.testing.assert_close(from_states, whole, rtol=1e-5, atol=1e-5)
+            moved = model(task, {**batch, **{key: value + 1.0 for key, value in saved.items()}})
+            assert not torch.allclose(moved, whole, atol=1e-3), task  # read from the states, not recomputed
+    assert len(model.encoder.encoder.layer) == 2  # the layer list is whole again
+
+
+def test_the_depth_is_the_frozen_layers_every_task_shares_and_none_where_states_cannot_stand_in(tmp_path, tiny_backbone):
+    cpu = torch.device("cpu")
+    model, params = model_of(tmp_path, tiny_backbone, train={"freeze_layers": 1})
+    assert states_depth(params, model, cpu) == 1
+    model, params = model_of(tmp_path, tiny_backbone, arch="shared", train={"freeze_layers": 1})
+    assert states_depth(params, model, cpu) == 1
+    model, params = model_of(tmp_path, tiny_backbone, train={"freeze_layers": 0})
+    assert states_depth(params, model, cpu) == 0
+    model, params = model_of(tmp_path, tiny_backbone, train={"freeze_layers": 1},
+                             runtime={"frozen_states": {"cpu": False}})
+    assert states_depth(params, model, cpu) == 0
+    assert states_depth(params, model, torch.device("cuda")) == 0  # off on a GPU by default
+    model, params = model_of(tmp_path, tiny_backbone, train={"freeze_layers": 1}, smart={"lambda": 1.0})
+    assert states_depth(params, model, cpu) == 0  # SMART perturbs the embeddings, below the states
+    for arch in ("independent", "shared+independent", "static"):
+        model, params = model_of(tmp_path, tiny_backbone, arch=arch, train={"freeze_layers": 1})
+        assert states_depth(params, model, cpu) == 0, arch
+
+
+@pytest.fixture
+def frozen_model(tmp_path, tiny_backbone, tiny_tokenized):
+    """A 2-layer model reading its bottom layer's states, with each task's training split."""
+    model, _ = model_of(tmp_path, tiny_backbone, sts={"encoding": "bi", "combine": "cosine"})
+    model.states_depth = 1
+    for frozen in (model.encoder.embeddings, model.encoder.encoder.layer[0]):
+        frozen.requires_grad_(False)
+    without_dropout_where_frozen(model)  # as `train` leaves a model with train.freeze_layers 1
+    return model, {task: load_split(tiny_tokenized, model.tasks[task], "train") for task in model.tasks}
+
+
+def states_of(model, splits, folder: Path, fingerprint: str = "run-a"):
+    return with_frozen_states(model, splits, "train", folder, fingerprint, False, 8, torch.device("cpu"))
+
+
+def test_each_batch_brings_its_rows_states_as_the_bottom_gives_them(tmp_path, frozen_model):
+    model, splits = frozen_model
+    with_states = states_of(model, splits, tmp_path / "states")
+    rows = np.array([5, 0, 11])
+    for task, split in with_states.items():
+        batch = split.batch(rows, model.encoding(task))
+        columns = ("input_ids_1", "input_ids_2") if model.encoding(task) == "bi" else ("input_ids",)
+        model.train()  # training rows' states are the bottom's in training mode (its dropout is off here)
+        for column in columns:
+            expected = frozen_states.bottom_of(model, batch, column, False, torch.device("cpu"))
+            key = frozen_states.STATE_KEYS[column]
+            mask = batch[column.replace("input_ids", "attention_mask")].bool()
+            assert batch[key].shape == (3, batch[column].shape[1], model.encoder.config.hidden_size)
+            torch.testing.assert_close(batch[key][mask], torch.from_numpy(expected)[mask], rtol=1e-5, atol=1e-5)
+            assert not batch[key][~mask].any()  # zero past each row's tokens
+
+
+def test_saved_states_are_reused_only_for_the_same_run_and_whole_files(tmp_path, frozen_model, monkeypatch):
+    model, splits = frozen_model
+    folder = tmp_path / "states"
+    states_of(model, splits, folder)
+    computed = []
+    real_compute = frozen_states.compute
+    monkeypatch.setattr(frozen_states, "compute", lambda *args: computed.append(args[1]) or real_compute(*args))
+    states_of(model, splits, folder)
+    assert computed == []  # the same run: reused
+    states_of(model, splits, folder, fingerprint="run-b")
+    assert computed == list(splits)  # another run's: computed again
+    computed.clear()
+    victim = folder / "train-qqp-input_ids.f32"
+    victim.write_bytes(victim.read_bytes()[:-4])  # cut by one float
+    states_of(model, splits, folder, fingerprint="run-b")
+    assert computed == list(splits)
+    computed.clear()
+    (folder / "train.json").write_text("{")  # a record cut short
+    states_of(model, splits, folder, fingerprint="run-b")
+    assert computed == list(splits)
+
+
+def test_a_states_file_cut_after_it_was_checked_is_one_line_naming_it(tmp_path, frozen_model):
+    model, splits = frozen_model
+    with_states = states_of(model, splits, tmp_path / "states")
+    victim = tmp_path / "states" / "train-sst-input_ids.f32"
+    victim.write_bytes(b"")
+    with pytest.raises(UnreadableInputError, match=r"^\S+train-sst-input_ids\.f32: cut short at row \d+; delete"):
+        with_states["sst"].batch(np.array([0, 1]), "cross")
+
+
+@pytest.mark.slow(reason="trains twice")
+def test_a_run_with_the_states_trains_the_same_network_without_running_the_bottom_in_its_steps(tmp_path, tiny_backbone,
+                                                                                              tiny_tokenized,
+                                                                                              monkeypatch):
+    """freeze_layers 1 of 2, CerBERTus with one task layer, dropout on above the frozen layer: the same dropout
+    masks are drawn in both runs (the frozen layer draws none), so the losses and the dev metrics agree up to
+    float rounding; with the states, the bottom layer runs once per training row and per dev row, in the
+    state files' computation only."""
+    summaries, bottom_runs = {}, {}
+    real_init = MultitaskModel.__init__
+    for on in (False, True):
+        root = tmp_path / str(on)
+        root.mkdir()
+        params_file = make_params(root, tiny_backbone, Path("unused"), model={"arch": "cerbertus", "task_layers": 1},
+                                  heads={"sts": {"encoding": "bi", "combine": "cosine"}},
+                                  train={"freeze_layers": 1, "embedding_lr_factor": 0.0},
+                                  runtime={"frozen_states": {"cpu": on}})
+        rows = []  # the rows of each of the trained model's bottom-layer runs
+
+        def count_rows(self, *args, **kwargs):
+            real_init(self, *args, **kwargs)
+            self.encoder.encoder.layer[0].register_forward_pre_hook(
+                lambda module, args, kwargs: rows.append(len(args[0] if args else kwargs["hidden_states"])),
+                with_kwargs=True)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(MultitaskModel, "__init__", count_rows)
+            summaries[on] = train_summary(variant_params(params_file, "base"), "base", run_paths(root, tiny_tokenized))
+        bottom_runs[on] = sum(rows)
+        assert not (root / "ck").exists()  # the state files went with the checkpoint folder
+    tasks = tasks_from_params(variant_params(params_file, "base").tasks)
+    for epoch, (plain, cached) in enumerate(zip(summaries[False]["epochs"], summaries[True]["epochs"], strict=True)):
+        for task, loss in plain["train_loss"].items():
+            assert cached["train_loss"][task] == pytest.approx(loss, rel=1e-4), (epoch, task)
+        for task in tasks.values():  # each dev row's prediction (a 16-row Pearson would magnify the rounding)
+            plain_ids, plain_values = read_dump(tmp_path / "False" / "snapshots" / f"epoch-{epoch + 1}", task, "dev")
+            cached_ids, cached_values = read_dump(tmp_path / "True" / "snapshots" / f"epoch-{epoch + 1}", task, "dev")
+            assert cached_ids.tolist() == plain_ids.tolist()
+            np.testing.assert_allclose(cached_values, plain_values, rtol=1e-4, atol=1e-5, err_msg=task.name)
+    # 16 training and 16 dev rows per task: SST's and QQP's once, STS's two sentences each
+    assert bottom_runs[True] == 2 * (16 + 16 + 32)
+    assert bottom_runs[False] > 2 * bottom_runs[True]  # every step and every dev pass ran it
