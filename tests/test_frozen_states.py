@@ -117,7 +117,7 @@ def test_each_batch_brings_its_rows_states_as_the_bottom_gives_them(tmp_path, fr
     for task, split in with_states.items():
         batch = split.batch(rows, model.encoding(task))
         columns = ("input_ids_1", "input_ids_2") if model.encoding(task) == "bi" else ("input_ids",)
-        model.train()  # training rows' states are the bottom's in training mode (its dropout is off here)
+        model.train()  # the states, computed in eval mode, are the bottom's in training mode: its dropout is off
         for column in columns:
             expected = frozen_states.bottom_of(model, batch, column, False, torch.device("cpu"))
             key = frozen_states.STATE_KEYS[column]

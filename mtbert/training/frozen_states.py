@@ -85,7 +85,8 @@ class FrozenStates:
 def with_frozen_states(model: MultitaskModel, splits: dict[str, TaskSplit], split_name: str, folder: Path,
                        fingerprint: str, bf16: bool, batch_size: int, device: torch.device) -> dict[str, TaskSplit]:
     """The splits with their rows' states, from the files in `folder` where a record says they are this run's,
-    else computed now (the model in the mode the split is read in: train for training rows, eval for dev)."""
+    else computed now. The model computes them in eval mode, whose attention is the fastest (mtbert/model/
+    architectures.py); the frozen layers' dropout is off, so training mode would compute the same."""
     files = {task: {column: StatesFile(folder / f"{split_name}-{task}-{column}.f32", split.tokens[column].offsets,
                                        model.encoder.config.hidden_size)
                     for column in COLUMNS[model.encoding(task)]} for task, split in splits.items()}
@@ -97,7 +98,7 @@ def with_frozen_states(model: MultitaskModel, splits: dict[str, TaskSplit], spli
         record_path.unlink(missing_ok=True)  # a kill while the files are rewritten leaves no record
         folder.mkdir(parents=True, exist_ok=True)
         mode = model.training
-        model.train(split_name == "train")
+        model.eval()
         for task, split in splits.items():
             compute(model, task, split, files[task], bf16, batch_size, device)
         model.train(mode)
