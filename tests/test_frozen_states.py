@@ -2,6 +2,8 @@
 saved states give the whole encoder's output, a run with them trains the same network without running the
 bottom in its steps, and the saved states are reused only where their record says they are this run's."""
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +78,7 @@ def test_the_layers_above_the_saved_states_give_the_whole_encoders_output(tmp_pa
     assert len(model.encoder.encoder.layer) == 2  # the layer list is whole again
 
 
-def test_the_depth_is_the_frozen_layers_every_task_shares_and_none_where_states_cannot_stand_in(tmp_path, tiny_backbone):
+def test_the_depth_is_the_frozen_layers_every_task_shares_and_none_where_states_cannot_serve(tmp_path, tiny_backbone):
     cpu = torch.device("cpu")
     model, params = model_of(tmp_path, tiny_backbone, train={"freeze_layers": 1})
     assert states_depth(params, model, cpu) == 1
@@ -158,6 +160,23 @@ def test_a_states_file_cut_after_it_was_checked_is_one_line_naming_it(tmp_path, 
         with_states["sst"].batch(np.array([0, 1]), "cross")
 
 
+@contextlib.contextmanager
+def bottom_rows_counted(monkeypatch) -> Iterator[list[int]]:
+    """Within: the rows of each run of the bottom layer of every model built (the training's own)."""
+    rows: list[int] = []
+    real_init = MultitaskModel.__init__
+
+    def counting(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.encoder.encoder.layer[0].register_forward_pre_hook(
+            lambda module, args, kwargs: rows.append(len(args[0] if args else kwargs["hidden_states"])),
+            with_kwargs=True)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(MultitaskModel, "__init__", counting)
+        yield rows
+
+
 @pytest.mark.slow(reason="trains twice")
 def test_a_run_with_the_states_trains_the_same_network_without_running_the_bottom_in_its_steps(tmp_path, tiny_backbone,
                                                                                               tiny_tokenized,
@@ -167,7 +186,6 @@ def test_a_run_with_the_states_trains_the_same_network_without_running_the_botto
     float rounding; with the states, the bottom layer runs once per training row and per dev row, in the
     state files' computation only."""
     summaries, bottom_runs = {}, {}
-    real_init = MultitaskModel.__init__
     for on in (False, True):
         root = tmp_path / str(on)
         root.mkdir()
@@ -175,16 +193,7 @@ def test_a_run_with_the_states_trains_the_same_network_without_running_the_botto
                                   heads={"sts": {"encoding": "bi", "combine": "cosine"}},
                                   train={"freeze_layers": 1, "embedding_lr_factor": 0.0},
                                   runtime={"frozen_states": {"cpu": on}})
-        rows = []  # the rows of each of the trained model's bottom-layer runs
-
-        def count_rows(self, *args, **kwargs):
-            real_init(self, *args, **kwargs)
-            self.encoder.encoder.layer[0].register_forward_pre_hook(
-                lambda module, args, kwargs: rows.append(len(args[0] if args else kwargs["hidden_states"])),
-                with_kwargs=True)
-
-        with monkeypatch.context() as patch:
-            patch.setattr(MultitaskModel, "__init__", count_rows)
+        with bottom_rows_counted(monkeypatch) as rows:
             summaries[on] = train_summary(variant_params(params_file, "base"), "base", run_paths(root, tiny_tokenized))
         bottom_runs[on] = sum(rows)
         assert not (root / "ck").exists()  # the state files went with the checkpoint folder

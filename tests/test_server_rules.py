@@ -231,13 +231,13 @@ def test_the_engines_speed_bounds_admission_once_the_queue_holds_work():
     asyncio.run(scenario())
 
 
-def test_waiting_requests_share_calls_up_to_max_batch_and_a_failed_call_is_retried_one_request_at_a_time():
+def test_waiting_requests_share_calls_up_to_max_batch_and_a_failed_call_is_retried_one_request_at_a_time(capfd):
     engine = GatedEngine(shut=True)
     with serving(engine, batching=Batching(max_batch=3, wait_ms=0)) as (url, _, _):
         first = held_in_the_engine(url, engine, ["a"])
         waiting = []
         for count, texts in enumerate((["b1", "b2"], ["boom"], ["d"]), start=2):  # queued in this order
-            waiting.append(in_background(lambda texts=texts: predict(url, texts)))
+            waiting.append(in_background(lambda texts=texts: predict(url, texts, **{"x-request-id": texts[0]})))
             until(lambda count=count: submitted(url) == count, f"request {count} queued")
         engine.gate.set()
         answers = [thread.join(PATIENCE) or answer[0] for thread, answer in (first, *waiting)]
@@ -246,6 +246,9 @@ def test_waiting_requests_share_calls_up_to_max_batch_and_a_failed_call_is_retri
         # the second batch holds 3 texts (b1, b2, boom); its call fails, so each request runs alone
         assert engine.calls == [[("a",)], [("b1",), ("b2",), ("boom",)], [("b1",), ("b2",)], [("boom",)], [("d",)]]
         assert httpx.get(f"{url}/health").json()["engine_calls"] == 3  # the calls that answered
+    # the retried request's own failure is logged, naming it and its error
+    assert "request boom: the engine failed on its 1 text(s) of task sst: RuntimeError: a planted engine failure" \
+        in capfd.readouterr().err
 
 
 def test_a_failed_request_does_not_hold_up_another_tasks_request_in_its_batch(capfd):
@@ -307,6 +310,28 @@ def test_an_engine_calls_seconds_make_the_requests_compute_time_and_the_engines_
         assert batcher.chars_per_second == \
             batching.SPEED_MEMORY * first_speed + (1 - batching.SPEED_MEMORY) * 6 / 0.5  # then ghijkl in 0.5 s
         assert batcher.engine_calls == 2 and batcher.call_started is None
+        batcher.executor.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_batch_takes_whole_requests_up_to_max_batch_texts_and_steps_over_withdrawn_ones():
+    """The queue's side of a batch, which the engine calls' own cut hides from every answer: requests are
+    taken oldest first while the batch holds fewer than max_batch texts, a withdrawn one is dropped on the way
+    without ending the batch, and the queue's count of texts falls by exactly the texts taken."""
+    from mtbert.deploy import batcher as batching
+    from mtbert.deploy.metrics import ServerMetrics
+
+    async def scenario() -> None:
+        batcher = batching.MicroBatcher(GatedEngine(), Batching(max_batch=3), Admission(), ServerMetrics())
+        batcher.arrived = asyncio.Event()
+        gone, two, one, last = (batcher.submit("sst", [(text,)] * size, text)
+                                for text, size in (("gone", 1), ("two", 2), ("one", 1), ("last", 1)))
+        batcher.withdraw(gone)  # its client hung up while it waited at the head of the queue
+        assert batcher.queued_texts == 4
+        assert batcher.take_batch() == [two, one]  # 3 texts: the bound, so `last` waits
+        assert list(batcher.waiting) == [last] and batcher.queued_texts == 1
+        assert batcher.take_batch() == [last] and batcher.queued_texts == 0
         batcher.executor.shutdown()
 
     asyncio.run(scenario())

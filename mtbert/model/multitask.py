@@ -25,7 +25,7 @@ class MultitaskModel(nn.Module):
 
     A batch may carry, beside the token ids, the states of the encoder's frozen bottom (`states`, or
     `states_1` / `states_2` for a bi-encoder's sentences: mtbert/training/frozen_states.py); the encoder then
-    runs only the `states_depth` layers above them.
+    runs only its layers above the bottom `states_depth`.
     """
 
     states_depth = 0  # the bottom layers whose output a batch's `states` hold (set by training/build.py)
