@@ -115,8 +115,9 @@ def shape_peaks(rows: int, hidden: int, intermediate: int, seconds: float = 0.5,
 
 # --- training ---------------------------------------------------------------------------------------
 def pad_to(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
-    """Every token tensor of a batch padded with zeros ([PAD], mask 0, type 0) to `length` columns."""
-    return {k: v if k == "labels" else torch.nn.functional.pad(v, (0, length - v.shape[1]))
+    """Every token tensor of a batch padded with zeros ([PAD], mask 0, type 0) to `length` columns; the frozen
+    layers' states (B, T, hidden) along T."""
+    return {k: v if k == "labels" else torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, length - v.shape[1]))
             for k, v in batch.items()}
 
 

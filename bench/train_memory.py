@@ -3,8 +3,8 @@
     python -m bench.train_memory [--steps 20]    # prints {"peak_rss_gib": ..., "seconds_per_step": ...}
 
 `--onednn-cache`, `--malloc-threshold-mb`, `--max-batch-tokens` and `--frozen-states` (0 or 1) override
-`runtime.onednn_cache`, `runtime.malloc_threshold_mb`, `train.max_batch_tokens` and `runtime.frozen_states` on
-this device (-1 keeps params.yaml's), as
+`runtime.onednn_cache`, `runtime.malloc_threshold_mb`, `train.max_batch_tokens` and `runtime.frozen_states.cpu`
+(-1 keeps params.yaml's), as
 bench/probes/memory_knobs.py compares them. `--longest-first` makes each task's first batch its longest rows, the
 batch that sets a whole epoch's peak, so a few steps show it.
 
@@ -46,11 +46,10 @@ class LongestFirst:
 
 def with_overrides(params, onednn_cache: int, malloc_threshold_mb: int, max_batch_tokens: int,
                    frozen_states: int = -1):
-    """params with each override that is not -1 put in (frozen_states: on both devices)."""
+    """params with each override that is not -1 put in (frozen_states: on a CPU)."""
     runtime, train = params.runtime, params.train
     states = runtime.frozen_states if frozen_states < 0 else with_changes(runtime.frozen_states,
-                                                                           cpu=bool(frozen_states),
-                                                                           cuda=bool(frozen_states))
+                                                                           cpu=bool(frozen_states))
     runtime = with_changes(runtime, onednn_cache=runtime.onednn_cache if onednn_cache < 0 else onednn_cache,
                                   malloc_threshold_mb=(runtime.malloc_threshold_mb if malloc_threshold_mb < 0
                                                        else malloc_threshold_mb), frozen_states=states)

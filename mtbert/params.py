@@ -350,8 +350,8 @@ class FrozenStatesOn(Section):
     cpu: bool = Field(description="On a CPU: with the bottom N layers frozen and shared by every task, each "
                                   "training and dev row's output of them is computed once, before the first step, "
                                   "and a step runs only the layers above. The same network, up to float rounding.")
-    cuda: bool = Field(description="On a GPU: off by default, as the bottom layers cost little there and a captured "
-                                   "step has not been tried with the states.")
+    cuda: bool = Field(description="On a GPU: off by default, as the bottom layers cost little there; on, the steps "
+                                   "run eager (runtime.capture does not capture them with the states).")
 
     def on(self, device_type: str) -> bool:
         """Whether it is on for a torch device type ("cpu", "cuda")."""

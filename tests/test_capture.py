@@ -64,7 +64,8 @@ def test_the_captured_path_is_called_as_the_step_it_records():
     ({"train": {"sampler": "joint", "gradient": "pcgrad"}}, "PCGrad"),
     ({"smart": {"lambda": 1.0}}, "SMART and the Bregman teacher"),
     ({"smart": {"mu": 1.0}}, "SMART and the Bregman teacher"),
-], ids=["default", "accumulation", "pcgrad", "smart", "teacher"])
+    ({"train": {"freeze_layers": 1}, "runtime": {"frozen_states": {"cpu": True, "cuda": True}}}, "the frozen layers"),
+], ids=["default", "accumulation", "pcgrad", "smart", "teacher", "frozen-states"])
 def test_a_step_that_needs_the_host_is_not_captured(tmp_path, tiny_backbone, tiny_tokenized, overrides, reason,
                                                     caplog):
     params = variant_params(make_params(tmp_path, tiny_backbone, Path("unused"), **overrides), "base")

@@ -75,6 +75,9 @@ def test_the_layers_above_the_saved_states_give_the_whole_encoders_output(tmp_pa
             torch.testing.assert_close(from_states, whole, rtol=1e-5, atol=1e-5)
             moved = model(task, {**batch, **{key: value + 1.0 for key, value in saved.items()}})
             assert not torch.allclose(moved, whole, atol=1e-3), task  # read from the states, not recomputed
+        model.states_depth = 0  # a model that does not read states (e.g. one loaded to predict)
+        with pytest.raises(ValueError, match=r"^a batch brought frozen states of shape \(3, 7, \d+\) to a model that"):
+            model("sst", {**batches["sst"][0], "states": states})
     assert len(model.encoder.encoder.layer) == 2  # the layer list is whole again
 
 

@@ -107,6 +107,9 @@ class MultitaskModel(nn.Module):
         types = self.family.encoder_inputs(token_type_ids)  # none for a family without token types (MPNet)
         if states is None:
             return encoder(input_ids=input_ids, attention_mask=attention_mask, **types)
+        if not self.states_depth or states.shape[:2] != input_ids.shape:
+            raise ValueError(f"a batch brought frozen states of shape {tuple(states.shape)} to a model that reads "
+                             f"the states of its bottom {self.states_depth} layers, for ids {tuple(input_ids.shape)}")
         with starting_from(encoder, self.states_depth, states):
             return encoder(input_ids=input_ids, attention_mask=attention_mask, **types)
 

@@ -127,8 +127,8 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
     if model.states_depth:  # the frozen bottom's output of every row, once (training/frozen_states.py)
         folder, batch_size = paths.checkpoints / f"frozen-states-{ranks.rank}", params.runtime.split_batches(
             device.type, p.eval_batch_size)["batch_size"]
-        train_data, dev_data = (with_frozen_states(model, data, split, folder, fingerprint, bf16, batch_size, device)
-                                for data, split in ((train_data, "train"), (dev_data, "dev")))
+        train_data = with_frozen_states(model, train_data, "train", folder, fingerprint, bf16, batch_size, device)
+        dev_data = with_frozen_states(model, dev_data, "dev", folder, fingerprint, bf16, batch_size, device)
     snapshot_data = {name: snapshot_splits(p, paths.tokenized, task, dev_data[name])
                      for name, task in tasks.items()} if paths.snapshots and ranks.is_main else {}
     objective = make_objective(model, params.smart, device, bf16, p.seed, labels.losses(kind_losses(model)))

@@ -67,6 +67,8 @@ def capture_blocker(run) -> str | None:
         return "distillation splits a batch by its rows' gold labels"
     if run.ranks.world_size > 1:
         return "several ranks all-reduce their gradients between backward and update"
+    if run.model.states_depth:
+        return "the frozen layers' states (runtime.frozen_states) are not widened to a captured shape"
     return None
 
 

@@ -9,7 +9,8 @@ batches than the step's.
 
 The states live in files in the run's checkpoint folder, float32 as the layer gave them, one file per task's
 token column, each row's states at its tokens' offsets in that column. A batch reads its rows' states, one read
-each, so the process holds a batch's states only (the kernel's page cache holds the files). A resumed run
+each, so the process holds a batch's states only (the kernel's page cache holds the files). With several ranks
+(train.nproc) each rank computes and keeps its own. A resumed run
 reuses the files where their record names the same run (fingerprint), depth, precision and sizes; otherwise
 they are computed again. They go with the checkpoint folder at the run's end.
 """
@@ -41,8 +42,9 @@ BYTES = 4  # float32
 
 def states_depth(params: Params, model: MultitaskModel, device: torch.device) -> int:
     """How many bottom layers' output the run computes once: the frozen layers that every task's encoder shares.
-    0 where runtime.frozen_states is off on this device, where SMART perturbs the embeddings below them, or
-    where no layer is both frozen and shared (an arch whose heads read two encoders, or one per task)."""
+    0 where runtime.frozen_states is off on this device, where smart.* turns a term on (SMART perturbs the
+    embeddings below them; the Bregman teacher alone is left out with it, untried), or where no layer is both
+    frozen and shared (an arch whose heads read two encoders, or one per task)."""
     if not params.runtime.frozen_states.on(device.type) or params.smart.turns_a_term_on(model.tasks):
         return 0
     return min(params.train.freeze_layers, model.encoders.shared_depth)
@@ -94,7 +96,12 @@ def with_frozen_states(model: MultitaskModel, splits: dict[str, TaskSplit], spli
     record = {"fingerprint": fingerprint, "depth": model.states_depth, "bf16": bf16,
               "bytes": {states.path.name: int(states.offsets[-1]) * states.hidden * BYTES
                         for columns in files.values() for states in columns.values()}}
-    if not is_recorded(record_path, record):
+    gigabytes = sum(record["bytes"].values()) / 1e9
+    if is_recorded(record_path, record):
+        log.info("frozen states of the %s rows: reused from %s (%.2f GB)", split_name, folder, gigabytes)
+    else:
+        log.info("frozen states of the %s rows: computing the bottom %d layers' output once, %.2f GB in %s",
+                 split_name, model.states_depth, gigabytes, folder)
         record_path.unlink(missing_ok=True)  # a kill while the files are rewritten leaves no record
         folder.mkdir(parents=True, exist_ok=True)
         mode = model.training
@@ -133,8 +140,12 @@ def compute(model: MultitaskModel, task: str, split: TaskSplit, files: dict[str,
                 values = bottom_of(model, batch, column, bf16, device)
                 for index, row in enumerate(rows):
                     tokens = int(states.offsets[row + 1] - states.offsets[row])
-                    os.pwrite(descriptors[column], values[index, :tokens].tobytes(),
-                              int(states.offsets[row]) * states.hidden * BYTES)
+                    data = values[index, :tokens].tobytes()
+                    if os.pwrite(descriptors[column], data, int(states.offsets[row]) * states.hidden * BYTES) \
+                            != len(data):
+                        raise OSError(f"{states.path}: row {row} written short (is the disk full?)")
+        for descriptor in descriptors.values():
+            os.fsync(descriptor)  # on disk before the record that says they are whole
     finally:
         for descriptor in descriptors.values():
             os.close(descriptor)
