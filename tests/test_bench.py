@@ -18,10 +18,11 @@ def test_pad_to_pads_token_tensors_only():
     import torch
 
     batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long),
-             "labels": torch.tensor([1.0, 0.0])}
+             "labels": torch.tensor([1.0, 0.0]), "states": torch.ones(2, 3, 4)}  # the frozen layers' (B, T, hidden)
     padded = pad_to(batch, 5)
     assert padded["input_ids"].tolist() == [[1, 1, 1, 0, 0]] * 2
     assert padded["attention_mask"].sum() == 6 and torch.equal(padded["labels"], batch["labels"])
+    assert padded["states"].shape == (2, 5, 4) and padded["states"].sum() == 24  # along the tokens only
 
 
 def test_the_overall_rate_weights_each_task_by_its_share_of_the_batches():
