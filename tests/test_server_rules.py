@@ -447,6 +447,48 @@ def test_an_aborted_request_keeps_its_first_reason_and_a_finished_one_is_not_abo
     asyncio.run(scenario())
 
 
+def test_the_middleware_follows_each_exchange_from_its_entry_to_its_one_answer():
+    """The middleware driven directly (ASGI, no HTTP): inside the app a request is counted in flight and its start
+    is the last activity; only /predict has a deadline; a /predict whose response had started when its deadline
+    passed gets no second answer; a finished request leaves nothing in flight."""
+    from mtbert.deploy.lifecycle import Lifecycle
+    from mtbert.deploy.metrics import ServerMetrics
+    from mtbert.deploy.middleware import ServingMiddleware
+
+    async def scenario() -> None:
+        lifecycle, seen, body_sent = Lifecycle(), {}, asyncio.Event()
+
+        async def app(scope, receive, send) -> None:  # starts its answer, then sends the body when told
+            seen[scope["path"]] = (lifecycle.in_flight, lifecycle.last_activity)
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await body_sent.wait()
+            await send({"type": "http.response.body", "body": b"{}"})
+
+        serving = ServingMiddleware(app, lifecycle, ServerMetrics(), Admission(request_timeout=0.1), Operations())
+
+        async def call(path: str) -> list[dict]:
+            sent = []
+
+            async def send(message) -> None:
+                sent.append(message)
+
+            await asyncio.wait_for(serving({"type": "http", "path": path, "method": "GET", "headers": []},
+                                           None, send), PATIENCE)
+            assert serving.in_flight == set() and lifecycle.in_flight == 0, path
+            return sent
+
+        entered = time.monotonic()
+        answered = await call("/predict")  # its body never comes: the deadline ends it
+        assert [message["type"] for message in answered] == ["http.response.start"]  # not a second start, a 503
+        assert seen["/predict"][0] == 1 and entered <= seen["/predict"][1] <= time.monotonic()
+        asyncio.get_running_loop().call_later(1.0, body_sent.set)  # ten times the deadline /predict has
+        answered = await call("/health")
+        assert [(message["type"], message.get("status")) for message in answered] == [
+            ("http.response.start", 200), ("http.response.body", None)]
+
+    asyncio.run(scenario())
+
+
 def test_the_batching_loop_says_when_it_has_stopped():
     from mtbert.deploy.batcher import MicroBatcher
     from mtbert.deploy.metrics import ServerMetrics

@@ -159,7 +159,7 @@ class ServingMiddleware:
 
     async def send_error(self, send, exchange: Exchange, status: int, message: str, headers: dict) -> None:
         body = json.dumps({"error": message}).encode()
-        exchange.status, exchange.responded = status, True
+        exchange.status = status
         raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"x-request-id", exchange.request_id.encode()),
                *((name.encode(), value.encode()) for name, value in headers.items())]

@@ -26,6 +26,7 @@ from torch import nn
 from mtbert.model.backbone import save_tokenizer
 from mtbert.model.dropout import EAGER_ATTENTION
 from mtbert.model.families import family_of
+from mtbert.model.frozen import device_of
 
 ARCHS = ("shared", "cerbertus", "independent", "shared+independent", "static")
 SHARED_DIR = "encoder"
@@ -59,7 +60,7 @@ def attention_for(encoder: nn.Module) -> str:
     family = family_of(encoder.config)
     if not family.switchable_attention:
         return family.attention
-    on_cpu = next(encoder.parameters()).device.type == "cpu"
+    on_cpu = device_of(encoder).type == "cpu"
     dropout = getattr(encoder.config, "attention_probs_dropout_prob", 0.0) > 0  # a BERT-family config
     if not (encoder.training and on_cpu and dropout):
         return "sdpa"

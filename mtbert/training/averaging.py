@@ -25,6 +25,9 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
+from mtbert.model.frozen import device_of
+from mtbert.training.checkpoint import own_where_released
+
 
 class MovingAverage:
     separate = True  # the averaged model is a copy, evaluated beside the raw weights
@@ -53,7 +56,7 @@ class MovingAverage:
         is the weight itself, from the first update's copy, so lerping it is work for nothing: with the
         embeddings frozen (the default) that is 11.7M of the 30.4M weights."""
         if self.count is None:
-            self.count = self.averaged.n_averaged.to(next(model.parameters()).device, torch.float64)
+            self.count = self.averaged.n_averaged.to(device_of(model), torch.float64)
         moving = [(averaged, current.detach()) for averaged, current
                   in zip(self.model.parameters(), model.parameters(), strict=True) if current.requires_grad]
         with torch.no_grad():
@@ -79,7 +82,7 @@ class MovingAverage:
         return self.averaged.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.averaged.load_state_dict(state)
+        self.averaged.load_state_dict(own_where_released(state, self.averaged))
         self.count = None  # taken again from the restored count at the next update
 
 

@@ -5,7 +5,9 @@ run's fingerprint, which a checkpoint must match to be resumed."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -19,9 +21,10 @@ from mtbert.data.sampling import TaskStream, epoch_schedule
 from mtbert.data.tasks import Task, tasks_from_params
 from mtbert.model.backbone import load_encoder, load_tokenizer, starting_point
 from mtbert.model.dropout import without_dropout_where_frozen
+from mtbert.model.frozen import ReleasedBottom
 from mtbert.model.multitask import MultitaskModel
 from mtbert.params import Params, SmartParams, TrainParams, as_dict
-from mtbert.runtime import UnreadableInputError, use_bf16
+from mtbert.runtime import UnreadableInputError, release_heap, use_bf16
 from mtbert.training.averaging import MovingAverage, NoAverage, weight_average
 from mtbert.training.capture import device_work
 from mtbert.training.distillation import GoldLabels
@@ -68,6 +71,7 @@ class FineTuning:
     steps_per_epoch: int
     stopwatch: Stopwatch
     finite: FiniteWatch  # the step's losses, checked for non-finite values without waiting for the device
+    bottom: ReleasedBottom | None = None  # the frozen bottom's weights, released while the run reads its states
     compute: Callable = compute  # the step's device work: training/step.py's `compute`, or captured on a GPU
 
     @property
@@ -88,6 +92,11 @@ class FineTuning:
     def saved_epochs(self) -> Path:
         """Whole-model snapshots of the epochs some task keeps, until the run ends."""
         return self.paths.checkpoints / "epochs"
+
+    def whole_model(self) -> contextlib.AbstractContextManager:
+        """Within: every weight in memory, for a save of the whole model (the frozen bottom's read back where
+        the run released it)."""
+        return self.bottom.restored() if self.bottom else contextlib.nullcontext()
 
     @property
     def snapshot_dumps(self) -> Path:
@@ -124,20 +133,40 @@ def prepare(params: Params, variant: str, paths: Paths, ranks: Ranks, device: to
     average.share_frozen(model)  # after the optimiser froze the LR-0 weights
     if p.freeze_layers:
         without_dropout_where_frozen(model)
+    folder = paths.checkpoints / f"frozen-states-{ranks.rank}"
     if model.states_depth:  # the frozen bottom's output of every row, once (training/frozen_states.py)
-        folder, batch_size = paths.checkpoints / f"frozen-states-{ranks.rank}", params.runtime.split_batches(
-            device.type, p.eval_batch_size)["batch_size"]
-        train_data = with_frozen_states(model, train_data, "train", folder, fingerprint, bf16, batch_size, device)
-        dev_data = with_frozen_states(model, dev_data, "dev", folder, fingerprint, bf16, batch_size, device)
+        add_states = functools.partial(with_frozen_states, model, folder=folder, fingerprint=fingerprint, bf16=bf16,
+                                       batch_size=params.runtime.split_batches(device.type, p.eval_batch_size)[
+                                           "batch_size"], device=device)
+        train_data, dev_data = add_states(train_data, "train"), add_states(dev_data, "dev")
     snapshot_data = {name: snapshot_splits(p, paths.tokenized, task, dev_data[name])
                      for name, task in tasks.items()} if paths.snapshots and ranks.is_main else {}
+    bottom = None
+    if model.states_depth:  # every split the run reads has its states now: the bottom's weights can go
+        snapshot_data = with_snapshot_states(snapshot_data, dev_data, add_states)
+        bottom = ReleasedBottom.release([model, average.model], model.states_depth, folder / "bottom.safetensors")
+        release_heap()
     objective = make_objective(model, params.smart, device, bf16, p.seed, labels.losses(kind_losses(model)))
     run = FineTuning(params, variant, paths, fingerprint, ranks, device, bf16, tasks, load_tokenizer(start), model,
                      train_data, dev_data, snapshot_data, row_lengths, streams, optimizer, scheduler, objective,
                      gradient_combination(p, model, ranks, device), average, steps, Stopwatch(),
-                     FiniteWatch(paths.checkpoints, "Lower train.lr or turn off train.bf16."))
+                     FiniteWatch(paths.checkpoints, "Lower train.lr or turn off train.bf16."), bottom)
     run.compute = device_work(run)  # `compute`, or on a GPU (runtime.capture.cuda) its CUDA graphs
     return run
+
+
+def with_snapshot_states(snapshot_data: dict[str, dict[str, TaskSplit]], dev_data: dict[str, TaskSplit],
+                         add_states: Callable) -> dict[str, dict[str, TaskSplit]]:
+    """The snapshot splits with their states: the dev splits the run evaluates are the same objects (their dumps
+    reuse the dev pass), the others (test with train.snapshot_test, the whole dev under train.max_examples) get
+    their own."""
+    names = {split_name for splits in snapshot_data.values() for split_name in splits}
+    for split_name in sorted(names):
+        others = {task: splits[split_name] for task, splits in snapshot_data.items()
+                  if split_name in splits and splits[split_name] is not dev_data[task]}
+        for task, split in (add_states(others, f"snapshot-{split_name}") if others else {}).items():
+            snapshot_data[task][split_name] = split
+    return snapshot_data
 
 
 def gradient_combination(p: TrainParams, model: MultitaskModel, ranks: Ranks, device: torch.device) -> Gradients:

@@ -117,8 +117,8 @@ def expected_size(state: Any, last: Path) -> int:
 
 
 def tensor_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.nelement() * value.element_size()
+    if isinstance(value, torch.Tensor):  # a meta tensor (a released weight) is written without data
+        return 0 if value.is_meta else value.nelement() * value.element_size()
     if isinstance(value, dict):
         return sum(tensor_bytes(item) for item in value.values())
     if isinstance(value, (list, tuple)):
@@ -271,9 +271,17 @@ def remove_checkpoint_folder(folder: Path) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def own_where_released(state: dict, module: torch.nn.Module) -> dict:
+    """A saved state_dict to load into `module`: each weight saved released (a meta tensor, training/build.py's
+    frozen bottom) keeps the module's own, which is the same frozen weight, in memory or released."""
+    own = module.state_dict()
+    return {key: own[key] if isinstance(value, torch.Tensor) and value.is_meta and key in own else value
+            for key, value in state.items()}
+
+
 def restore(state: Any, model: torch.nn.Module, optimizer, scheduler, ranks: Ranks) -> dict:
     """Load a checkpoint's weights, optimiser, scheduler and this rank's RNG; return this rank's own state."""
-    model.load_state_dict(state.model)
+    model.load_state_dict(own_where_released(state.model, model))
     capturable = [group.get("capturable", False) for group in optimizer.param_groups]
     optimizer.load_state_dict(state.optimizer)
     for group, was_capturable in zip(optimizer.param_groups, capturable, strict=True):

@@ -18,6 +18,7 @@ from mtbert.evaluation.metrics import headline_summary, overall, task_metrics
 from mtbert.evaluation.predictions import write_dump
 from mtbert.evaluation.selection import chosen_epochs
 from mtbert.model.saved import epoch_dir, save_model
+from mtbert.runtime import release_heap
 from mtbert.training.build import FineTuning
 from mtbert.training.distributed import Ranks, broadcast
 from mtbert.training.progress import EpochTotals, Progress, checkpoint
@@ -29,6 +30,7 @@ log = logging.getLogger("train")
 def end_epoch(run: FineTuning, progress: Progress, live) -> None:
     """Evaluate and dump the epoch, log it, save the model aside if a task is at its best, checkpoint."""
     dev = dev_raw = None  # the main rank evaluates; the others wait for its figures
+    release_heap()  # the steps' freed buffers go back before the dev pass takes its own: its peak is the run's
     if run.ranks.is_main:
         dev = evaluate_and_dump(run, progress.epoch + 1)
         if run.average.separate and run.train.dev_raw:  # the raw weights beside their moving average
@@ -38,11 +40,14 @@ def end_epoch(run: FineTuning, progress: Progress, live) -> None:
     progress.history.append(record)
     chosen = chosen_epochs(progress.history, run.tasks, run.train.select)
     if record["epoch"] in chosen.values() and run.ranks.is_main:
-        save_model(run.average.model, run.tokenizer, run.saved_epochs / epoch_dir(record["epoch"]), model_config(run))
+        with run.whole_model():
+            save_model(run.average.model, run.tokenizer, run.saved_epochs / epoch_dir(record["epoch"]),
+                       model_config(run))
     progress.epoch, progress.step_in_epoch, progress.totals = progress.epoch + 1, 0, EpochTotals.empty(run.tasks)
     checkpoint(run, progress)
     if run.ranks.is_main:  # only after the checkpoint, which still names what a resumed run needs
         drop_unchosen_epochs(run.saved_epochs, set(chosen.values()))
+    release_heap()  # and the dev pass's before the next epoch's steps
     if live is not None:
         log_epoch(live, record)
 
