@@ -70,8 +70,9 @@ def starting_from(encoder: nn.Module, depth: int, states: torch.Tensor) -> Itera
 
 
 def device_of(module: nn.Module) -> torch.device:
-    """Where the module computes: the device of its first weight that holds data (a released bottom's do not)."""
-    return next(weight.device for weight in module.parameters() if not weight.is_meta)
+    """Where the module computes: the device of its first weight that holds data (a released bottom's do not);
+    `meta` for a module wholly there (tests trace a forward on it)."""
+    return next((weight.device for weight in module.parameters() if not weight.is_meta), torch.device("meta"))
 
 
 def bottom_weights(encoder: nn.Module, depth: int) -> Iterator[tuple[str, nn.Module, str]]:

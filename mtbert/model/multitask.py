@@ -106,7 +106,7 @@ class MultitaskModel(nn.Module):
         brought them."""
         types = self.family.encoder_inputs(token_type_ids)  # none for a family without token types (MPNet)
         if states is None:
-            if encoder.embeddings.word_embeddings.weight.is_meta:
+            if self.states_depth and encoder.embeddings.word_embeddings.weight.is_meta:
                 raise ValueError("a batch without frozen states reached a model whose frozen bottom is released "
                                  "(mtbert/model/frozen.py); every split a run reads needs its states")
             return encoder(input_ids=input_ids, attention_mask=attention_mask, **types)
