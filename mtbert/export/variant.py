@@ -392,7 +392,8 @@ def measure(predictors: dict[str, OnnxPredictor], dev: dict[str, TaskSplit], tas
         report["int8_drop"] = {name: int8_drop(metrics, name, task.headline) for name, task in tasks.items()}
         report["int8_outliers_in_fp32"] = {name: {"drop_fully_quantized": drop}
                                            for name, drop in requantized.items()}
-        report["speed"]["int8_speedup"] = seconds["onnx"] / seconds["int8"]
+        # rounded as the metrics file records it, so that the reasons read from the file give the same words
+        report["speed"]["int8_speedup"] = io.rounded(seconds["onnx"] / seconds["int8"])
     report["engine"], report["reason"] = choose_engine(report.get("int8_drop"), seconds, options.int8_max_drop,
                                                        {name: task.headline for name, task in tasks.items()})
     return report
