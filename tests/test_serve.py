@@ -260,7 +260,11 @@ def test_sigterm_under_load_answers_every_request_sent_before_it_and_exits_0(dep
     before = [outcome for sent, outcome in outcomes if sent < signalled]
     assert len(before) >= 40 and set(before) == {200}, collections.Counter(before)
     after = collections.Counter(outcome for sent, outcome in outcomes if sent >= signalled)
-    assert set(after) <= {200, "ConnectError"}, after  # served on its connection, or refused: never reset
+    # served on its connection, or refused; a close without an answer only on a connection the drain closed
+    # as idle (a client thread that the test's load kept from sending for IDLE_LINGER), never a read request
+    idle_closed = sum(int(n) for n in re.findall(r"; (\d+) idle connection\(s\) closed", log.read_text()))
+    assert set(after) <= {200, "ConnectError", "RemoteProtocolError"}, after
+    assert after["RemoteProtocolError"] <= idle_closed, (after, log.read_text())
     assert "SIGTERM: draining" in log.read_text() and "drained:" in log.read_text()
 
 

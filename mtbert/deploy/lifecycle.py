@@ -7,8 +7,9 @@ On SIGTERM or SIGINT a worker drains, then exits 0:
    arrives meanwhile on a connection the worker already had is served too, and every response now says
    `Connection: close`, so clients move to another server instead of finding a closed socket;
 3. once no request is in flight and every connection has closed or been idle for IDLE_LINGER, it closes
-   the idle ones and exits; a request still unfinished when the grace period (`--grace`) ends gets a 503
-   and a one-line JSON error instead.
+   the idle ones (the log counts them) and exits. A client that sends on one of them just then finds it
+   closed, the race that HTTP/1.1 leaves to the client's retry (RFC 9112, 9.3.1). A request still
+   unfinished when the grace period (`--grace`) ends gets a 503 and a one-line JSON error instead.
 A second signal during the drain ends the grace period at once; under the supervisor (`--workers N`) a
 worker ignores a repeated SIGTERM, since a signal sent to the process group (as docker, systemd and
 dumb-init send it) reaches the worker itself and again through the supervisor, and waits for SIGUSR1,
@@ -110,7 +111,9 @@ class DrainingServer(uvicorn.Server):
         if busy and waited < self.grace + DRAIN_BOUND:
             return False  # a client still on an open connection gets its next request served, with a close
         left = f"; {self.lifecycle.in_flight} request(s) still open are closed" if self.lifecycle.in_flight else ""
-        log(f"drained: {self.lifecycle.served} request(s) answered in {waited:.2f} s{left}; exiting")
+        idle = max(len(self.server_state.connections) - self.lifecycle.in_flight, 0)
+        log(f"drained: {self.lifecycle.served} request(s) answered in {waited:.2f} s{left}; "
+            f"{idle} idle connection(s) closed; exiting")
         return True
 
 
