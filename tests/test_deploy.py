@@ -524,6 +524,24 @@ def test_int8_leaves_products_with_a_vector_weight_in_fp32(tmp_path):
     assert int8.shape == (4,) and np.allclose(int8, fp32, rtol=0.1, atol=0.1)  # runs, and stays near fp32
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_int8_weights_keep_to_7_bits_so_a_cpu_without_vnni_does_not_saturate(tmp_path, per_channel):
+    """On AVX2 without VNNI, ONNX Runtime sums pairs of uint8 x int8 products in int16 (VPMADDUBSW): 8-bit
+    weights overflow it (this graph's int8 result was 1.32 for an fp32 3.92 there), 7-bit ones cannot
+    (7-bit weights in [-64, 64]). Checked on the weights, so it fails on any CPU."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from mtbert.export.quantize import quantize
+
+    graph_of_two_products(tmp_path / "g.onnx")
+    quantize(tmp_path / "g.onnx", tmp_path / "g.int8.onnx", per_channel=per_channel)
+    weights = [numpy_helper.to_array(t) for t in onnx.load(tmp_path / "g.int8.onnx").graph.initializer
+               if t.data_type == onnx.TensorProto.INT8]
+    assert weights and max(int(np.abs(w.astype(np.int16)).max()) for w in weights) <= 64  # 2 x 255 x 64 < 32768
+
+
 def test_the_quantizer_logs_no_line_per_tensor_and_the_projects_loggers_are_untouched(tmp_path, caplog):
     """ONNX Runtime's quantizer logs an INFO line per tensor on the root logger (thousands for MPNet, in
     every export's log); the export drops them, and nothing else, only while it quantizes."""
