@@ -166,13 +166,13 @@ def speed(params: Params, variant: str, tokenized: Path, scratch: Path, steps_pe
     return figures
 
 
-def bert_base_backbone(params: Params, out: Path) -> Path:
-    """A randomly initialised encoder of BERT-base's shape, with the backbone's tokenizer, saved to `out`
-    (speed does not depend on the weights)."""
+def bert_base_backbone(params: Params, out: Path, layers: int = BERT_BASE["num_hidden_layers"]) -> Path:
+    """A randomly initialised encoder of BERT-base's shape (`layers` of them), with the backbone's tokenizer,
+    saved to `out` (speed does not depend on the weights)."""
     from transformers import AutoConfig, AutoModel
 
     source = resolve_backbone(params.model.name)
-    config = AutoConfig.from_pretrained(source, **BERT_BASE)
+    config = AutoConfig.from_pretrained(source, **{**BERT_BASE, "num_hidden_layers": layers})
     torch.manual_seed(0)
     AutoModel.from_config(config).save_pretrained(out)
     load_tokenizer(source).save_pretrained(out)
@@ -200,6 +200,8 @@ def short_run_metrics(params: Params, variant: str, tokenized: Path, scratch: Pa
 def main(steps_per_task: int = typer.Option(60, help="timed steps per task and side (the warm-up pass as many)"),
          block: int = typer.Option(20, help="steps per block; the sides take turns block by block"),
          base_steps_per_task: int = typer.Option(24, help="the same for the BERT-base-shaped encoder"),
+         base_layers: int = typer.Option(BERT_BASE["num_hidden_layers"], min=1,
+                                         help="its layers: BERT-base's 12, or fewer for a quick dry run"),
          short_rows: int = typer.Option(2000, help="training rows per task of the short run"),
          variant: str = typer.Option("base"),
          params_file: Path = typer.Option(Path("params.yaml")),
@@ -217,9 +219,10 @@ def main(steps_per_task: int = typer.Option(60, help="timed steps per task and s
                                    peer=True, peak=peak)
         report("default", figures["default"])
         base = params.model_copy(update={"model": with_changes(params.model, name=str(
-            bert_base_backbone(params, scratch / "bert-base-shaped")))})
-        figures["bert_base_shaped"] = speed(base, variant, tokenized_dir, scratch / "base", base_steps_per_task,
-                                            min(block, base_steps_per_task), peer=False, peak=peak)
+            bert_base_backbone(params, scratch / "bert-base-shaped", base_layers)))})
+        figures["bert_base_shaped"] = {"layers": base_layers, **speed(
+            base, variant, tokenized_dir, scratch / "base", base_steps_per_task, min(block, base_steps_per_task),
+            peer=False, peak=peak)}
         report("bert-base-shaped", figures["bert_base_shaped"])
         figures["short_run"] = short_run_metrics(params, variant, tokenized_dir, scratch / "short", short_rows)
         print("short run dev:", json.dumps({name: round(run["dev"]["overall"], 4)

@@ -310,7 +310,7 @@ def test_the_gpu_bench_dry_runs_on_the_cpu(tmp_path, tiny_backbone, tiny_tokeniz
     params = make_params(tmp_path, tiny_backbone, write_raw_files(tmp_path / "raw", synthetic_raw_files(16)))
     out = tmp_path / "bench-gpu.json"
     result = CliRunner().invoke(gpu_app, ["--steps-per-task", "2", "--block", "1", "--base-steps-per-task", "1",
-                                          "--short-rows", "8", "--params-file", str(params),
+                                          "--base-layers", "1", "--short-rows", "8", "--params-file", str(params),
                                           "--tokenized-dir", str(tiny_tokenized), "--json-out", str(out)])
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
@@ -323,6 +323,6 @@ def test_the_gpu_bench_dry_runs_on_the_cpu(tmp_path, tiny_backbone, tiny_tokeniz
     # the same examples each way (STS's bi-encoder would add a [CLS] per pair; the tests cross-encode it)
     assert {t: s["tokens"] for t, s in default["eager"]["tasks"].items()} == \
            {t: s["tokens"] for t, s in default["peer"]["tasks"].items()}
-    assert set(figures["bert_base_shaped"]) == {"eager"}
+    assert set(figures["bert_base_shaped"]) == {"layers", "eager"} and figures["bert_base_shaped"]["layers"] == 1
     assert figures["bert_base_shaped"]["eager"]["tasks"]["sst"]["batches"] == 1
     assert set(figures["short_run"]) == {"eager"} and 0 <= figures["short_run"]["eager"]["dev"]["overall"] <= 1
