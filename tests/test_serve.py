@@ -307,7 +307,8 @@ def counted(url: str) -> dict[tuple[str, str], float]:
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     families = {family.name: family for family in text_string_to_metric_families(response.text)}
     assert {"mtbert_request_seconds", "mtbert_engine_batch_texts", "mtbert_queue_depth",
-            "mtbert_engine_errors"} <= set(families)
+            "mtbert_engine_errors", "mtbert_requests_in_flight"} <= set(families)
+    assert [s.value for s in families["mtbert_requests_in_flight"].samples] == [1]  # this scrape alone
     return {(s.labels["endpoint"], s.labels["status"]): s.value for s in families["mtbert_requests"].samples
             if s.name == "mtbert_requests_total"}
 

@@ -291,7 +291,8 @@ def test_an_unfinished_body_does_not_hold_a_shutdown_past_its_grace(deployed, tm
                                 "--grace", "1", "--read-timeout", "60", timeout=STARTUP_SECONDS)
     try:
         connection = half_a_body(url)  # its body never comes
-        time.sleep(0.3)
+        # the signal after the server holds it: in flight beside the scrape that asks
+        wait_for(lambda: metric(url, "mtbert_requests_in_flight") == 2, "the half-sent request in the server")
         signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0

@@ -28,8 +28,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 class ServerMetrics:
     """What an operator watches: requests by endpoint and status, their latency split into time queued and
-    time computed, the texts per engine call, the requests waiting for the engine, the requests shed (and
-    why), and the engine's errors."""
+    time computed, the texts per engine call, the requests inside the server and those waiting for the
+    engine, the requests shed (and why), and the engine's errors."""
 
     def __init__(self) -> None:
         # One registry per app, so that several apps in one process (the tests) do not collide.
@@ -48,6 +48,9 @@ class ServerMetrics:
                             "timeout or shutdown (503), client_gone", ("reason",), registry=self.registry)
         self.queue_depth = Gauge("mtbert_queue_depth", "Requests waiting for the engine",
                                  registry=self.registry, multiprocess_mode="livesum")
+        self.in_flight = Gauge("mtbert_requests_in_flight", "Requests inside the server: being read, waiting, "
+                               "computed or answered (a scrape of /metrics counts itself)",
+                               registry=self.registry, multiprocess_mode="livesum")
         self.engine_errors = Counter("mtbert_engine_errors", "Requests the engine failed on (each retried alone first)",
                                      registry=self.registry)
 

@@ -91,6 +91,7 @@ class ServingMiddleware:
         exchange = Exchange(request_id(scope), scope["path"] if scope["path"] in PATHS else "other")
         scope.setdefault("state", {})["request_id"] = exchange.request_id
         self.lifecycle.in_flight += 1
+        self.metrics.in_flight.inc()
         self.lifecycle.last_activity = exchange.started
         try:
             refusal = self.refusal(scope, exchange)
@@ -100,6 +101,7 @@ class ServingMiddleware:
                 await self.handle(scope, receive, send, exchange)
         finally:
             self.lifecycle.in_flight -= 1
+            self.metrics.in_flight.dec()
             self.lifecycle.last_activity = time.monotonic()
             if self.lifecycle.draining:
                 self.lifecycle.served += 1
