@@ -268,6 +268,24 @@ def test_sigterm_under_load_answers_every_request_sent_before_it_and_exits_0(dep
     assert "SIGTERM: draining" in log.read_text() and "drained:" in log.read_text()
 
 
+def test_a_drain_closes_a_connection_left_idle_and_counts_it(deployed, tmp_path):
+    """The count that the SIGTERM test above holds a close without an answer to."""
+    log = tmp_path / "stderr.log"
+    process, url = start_server(log, "--model", deployed.exports / "bi", "--engine", "onnx", "--threads", "1",
+                                timeout=STARTUP_SECONDS)
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            assert client.post("/predict", json={"task": "sst", "texts": ["Fine."]}).status_code == 200
+            process.send_signal(signal.SIGTERM)  # the connection stays open, idle
+            assert process.wait(timeout=60) == 0
+            with pytest.raises(httpx.TransportError):  # closed by the server: nothing answers on it
+                client.post("/predict", json={"task": "sst", "texts": ["Too late."]})
+    finally:
+        if process.poll() is None:
+            stop_server(process)
+    assert "; 1 idle connection(s) closed; exiting" in log.read_text(), log.read_text()
+
+
 def test_ready_is_503_while_draining_a_request_and_the_grace_period_ends_in_a_503(deployed, tmp_path):
     log = tmp_path / "stderr.log"
     # each batch waits 3 s for company: a request stays in flight that long
