@@ -508,6 +508,22 @@ def test_the_batching_loop_says_when_it_has_stopped():
     asyncio.run(scenario())
 
 
+def test_stopping_the_batcher_ends_its_running_loop():
+    """The app's shutdown (`stop`) cancels the batching loop, so none is left pending when the event loop closes."""
+    from mtbert.deploy.batcher import MicroBatcher
+    from mtbert.deploy.metrics import ServerMetrics
+
+    async def scenario() -> None:
+        batcher = MicroBatcher(GatedEngine(), Batching(), Admission(), ServerMetrics())
+        batcher.start()
+        await asyncio.sleep(0)
+        assert not batcher.stopped()
+        await batcher.stop()
+        assert batcher.stopped() and batcher.loop_task.cancelled()
+
+    asyncio.run(scenario())
+
+
 def test_a_client_that_hangs_up_is_counted_499_and_its_rows_are_dropped(capfd):
     engine = GatedEngine(shut=True)
     with serving(engine) as (url, _, _):
