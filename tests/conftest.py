@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import pickle
@@ -95,6 +96,14 @@ def tokenizer():
     return load_tokenizer(DEFAULT_BACKBONE)
 
 
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_backbone):
+    """The tokenizer of the tests' backbone, on its slice of the real vocabulary (save_tiny_backbone)."""
+    from mtbert.model.backbone import load_tokenizer
+
+    return load_tokenizer(str(tiny_backbone))
+
+
 WORDS = "good bad fine film plot actor dull bright slow quick rice sky blue dog cat runs sleeps sings".split()
 
 
@@ -158,21 +167,47 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], T]) -> T:
 
 @pytest.fixture(scope="session")
 def tiny_backbone(tmp_path_factory) -> Path:
-    """A 2-layer slice of the real default backbone, saved like any local model."""
+    """A 2-layer slice of the real default backbone, on a slice of its vocabulary, saved like any local model."""
     return built_once(tmp_path_factory, "backbone", save_tiny_backbone)
 
 
+# The tokens the tests' backbone keeps: the vocabulary's first ids (the special tokens and the most frequent
+# words) and every single character, with and without "##", so that any text still splits into pieces. The
+# whole vocabulary's 30,522 embeddings would be three quarters of the 2-layer slice's weights, copied by
+# every model saved, checkpoint, exported graph and DVC cache in the suite.
+KEPT_IDS = 4096
+
+
 def save_tiny_backbone(path: Path) -> Path:
+    import torch
+
     from mtbert.model.backbone import PROVENANCE_FILE, load_encoder, load_tokenizer
 
     encoder = load_encoder(DEFAULT_BACKBONE)
     encoder.encoder.layer = encoder.encoder.layer[:2]
     encoder.config.num_hidden_layers = 2
-    encoder.save_pretrained(path)
     load_tokenizer(DEFAULT_BACKBONE).save_pretrained(path)
+    kept = slice_vocabulary(path, KEPT_IDS)
+    rows = encoder.get_input_embeddings().weight.detach()[torch.tensor(kept)].clone()
+    encoder.resize_token_embeddings(len(kept))
+    encoder.get_input_embeddings().weight.data.copy_(rows)
+    encoder.save_pretrained(path)
     # As the `pretrain` stage leaves it (disabled), so `train --pretrained-dir` accepts the folder.
     (path / PROVENANCE_FILE).write_text(json.dumps({"backbone": str(path), "pretrained": False}))
     return path
+
+
+def slice_vocabulary(folder: Path, first: int) -> list[int]:
+    """Rewrite the WordPiece tokenizer saved in `folder` to keep ids below `first` (unchanged) and then every
+    single-character token; the old ids of the tokens kept, in their new order (the embedding rows to keep)."""
+    state = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    vocabulary = state["model"]["vocab"]
+    tokens = sorted(vocabulary, key=vocabulary.__getitem__)
+    kept = tokens[:first] + [token for token in tokens[first:] if len(token.removeprefix("##")) == 1]
+    state["model"]["vocab"] = {token: new_id for new_id, token in enumerate(kept)}
+    (folder / "tokenizer.json").write_text(json.dumps(state, ensure_ascii=False), encoding="utf-8")
+    (folder / "vocab.txt").write_text("".join(f"{token}\n" for token in kept), encoding="utf-8")
+    return [vocabulary[token] for token in kept]
 
 
 # all-mpnet-base-v2's config and tokenizer files (the weights are 440 MB: `make mpnet`); the tests build a 2-layer
@@ -353,6 +388,14 @@ def pytest_collection_modifyitems(items):
         return (0, LONGEST_FIRST.index(name)) if name in LONGEST_FIRST else (1, 0)
 
     items.sort(key=rank)  # stable: each file's tests keep their order
+
+
+def pytest_collection_finish(session):
+    """Everything the collection imported (torch, transformers, ONNX, the server: about 460,000 objects)
+    moved out of the garbage collector's sight. Each full collection then looks only at what the tests made
+    since: the stages free their cycles with gc.collect() at every epoch's end and between an export's
+    phases (mtbert/runtime.py), which over the imports costs 0.3 s a call."""
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

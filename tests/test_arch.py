@@ -35,9 +35,10 @@ def encoder(tiny_backbone):
 
 
 @pytest.fixture(scope="module")
-def batches(tokenizer):
-    sst = tokenizer(["a lovely film", "dull and far too long"], padding=True, return_tensors="pt")
-    pair = tokenizer(["a dog runs", "rain"], ["a dog is running", "it is sunny"], padding=True, return_tensors="pt")
+def batches(tiny_tokenizer):
+    sst = tiny_tokenizer(["a lovely film", "dull and far too long"], padding=True, return_tensors="pt")
+    pair = tiny_tokenizer(["a dog runs", "rain"], ["a dog is running", "it is sunny"], padding=True,
+                          return_tensors="pt")
     return {"sst": {**sst, "labels": torch.tensor([4, 0])},
             "qqp": {**pair, "labels": torch.tensor([1.0, 0.0])},
             "sts": {**pair, "labels": torch.tensor([4.5, 0.5])}}
@@ -110,7 +111,7 @@ def test_task_layers_beyond_the_encoder_are_refused(params, encoder):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_arch_round_trips_through_save_and_load(params, encoder, tokenizer, batches, arch, tmp_path):
+def test_every_arch_round_trips_through_save_and_load(params, encoder, tiny_tokenizer, batches, arch, tmp_path):
     torch.manual_seed(0)
     model = MultitaskModel(encoder, TASKS, params.heads, arch, 1)
     with torch.no_grad():  # make every copy distinct, as after training
@@ -118,14 +119,14 @@ def test_every_arch_round_trips_through_save_and_load(params, encoder, tokenizer
             parameter.add_(0.01 * torch.randn_like(parameter) * (i % 3))
     config = {"variant": "x", "params": {"tasks": _as_dict(params.tasks), "heads": _as_dict(params.heads),
                                          "model": {"name": "unused", "arch": arch, "task_layers": 1}}}
-    save_model(model, tokenizer, tmp_path / "model", config)
+    save_model(model, tiny_tokenizer, tmp_path / "model", config)
     loaded, _ = load_model(tmp_path / "model")
     assert list(loaded.tasks) == list(TASKS) and loaded.tasks["sts"].kind.label_domain() == (0.0, 5.0, False)
     expected, got = outputs(model, batches), outputs(loaded, batches)
     assert all(torch.equal(expected[task], got[task]) for task in batches)
 
 
-def test_tasks_kept_at_different_epochs_each_run_on_their_own_snapshot(params, encoder, tokenizer, batches,
+def test_tasks_kept_at_different_epochs_each_run_on_their_own_snapshot(params, encoder, tiny_tokenizer, batches,
                                                                       tmp_path):
     from mtbert.model.saved import TaskSnapshots, assemble_model
 
@@ -138,7 +139,7 @@ def test_tasks_kept_at_different_epochs_each_run_on_their_own_snapshot(params, e
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.add_(0.01 * torch.randn_like(parameter))
-        save_model(model, tokenizer, tmp_path / "epochs" / f"epoch-{epoch}", config)
+        save_model(model, tiny_tokenizer, tmp_path / "epochs" / f"epoch-{epoch}", config)
         expected[epoch] = outputs(model, batches)
     task_epochs = {"sst": 1, "qqp": 2, "sts": 1}
     assemble_model(tmp_path / "model", tmp_path / "epochs", task_epochs, config)
@@ -149,10 +150,10 @@ def test_tasks_kept_at_different_epochs_each_run_on_their_own_snapshot(params, e
     assert not torch.equal(expected[1]["qqp"], expected[2]["qqp"])
 
 
-def test_a_saved_model_without_its_tasks_is_refused_naming_the_file(params, encoder, tokenizer, tmp_path):
+def test_a_saved_model_without_its_tasks_is_refused_naming_the_file(params, encoder, tiny_tokenizer, tmp_path):
     model = MultitaskModel(encoder, TASKS, params.heads, "shared")
     config = {"variant": "x", "params": {"heads": _as_dict(params.heads), "model": {"arch": "shared"}}}
-    save_model(model, tokenizer, tmp_path / "model", config)
+    save_model(model, tiny_tokenizer, tmp_path / "model", config)
     with pytest.raises(ModelFolderError, match=r"model/mtbert.json: declares no tasks .*retrain it\)$"):
         load_model(tmp_path / "model")
     with pytest.raises(ModelFolderError, match=r"nothing/mtbert.json is missing"):

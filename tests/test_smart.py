@@ -62,19 +62,19 @@ def model(params, tiny_backbone):
 
 
 @pytest.fixture(scope="module")
-def batches(tokenizer):
+def batches(tiny_tokenizer):
     def pair_batch(encoding):
         first, second = ["a dog runs in the park", "rain"], ["a dog is running", "it is sunny today, not raining"]
         if encoding == "cross":
-            encoded = tokenizer(first, second, padding=True, return_tensors="pt")
+            encoded = tiny_tokenizer(first, second, padding=True, return_tensors="pt")
             return {**encoded, "labels": torch.tensor([1.0, 0.0])}
-        one, two = tokenizer(first, padding=True, return_tensors="pt"), tokenizer(second, padding=True,
-                                                                                   return_tensors="pt")
+        one = tiny_tokenizer(first, padding=True, return_tensors="pt")
+        two = tiny_tokenizer(second, padding=True, return_tensors="pt")
         return {"input_ids_1": one["input_ids"], "attention_mask_1": one["attention_mask"],
                 "input_ids_2": two["input_ids"], "attention_mask_2": two["attention_mask"],
                 "labels": torch.tensor([4.2, 0.4])}
 
-    sst = tokenizer(["a lovely film", "dull and far too long for what it is"], padding=True, return_tensors="pt")
+    sst = tiny_tokenizer(["a lovely film", "dull and far too long for what it is"], padding=True, return_tensors="pt")
     return {"sst": {**sst, "labels": torch.tensor([4, 0])}, "qqp": pair_batch("cross"), "sts_bi": pair_batch("bi")}
 
 

@@ -238,7 +238,7 @@ def test_a_three_class_task_dumps_round_trip(tmp_path):
                                                                                    + 0.5) / 2)
 
 
-def test_a_three_class_task_gets_a_three_way_head(tiny_backbone, tokenizer):
+def test_a_three_class_task_gets_a_three_way_head(tiny_backbone, tiny_tokenizer):
     from mtbert.model.backbone import load_encoder
     from mtbert.model.multitask import MultitaskModel
 
@@ -246,7 +246,7 @@ def test_a_three_class_task_gets_a_three_way_head(tiny_backbone, tokenizer):
                       target=None)
     torch.manual_seed(0)
     model = MultitaskModel(load_encoder(str(tiny_backbone)), {"emo": THREE}, {"emo": head}).eval()
-    batch = tokenizer(["a happy day", "so so"], padding=True, return_tensors="pt")
+    batch = tiny_tokenizer(["a happy day", "so so"], padding=True, return_tensors="pt")
     with torch.no_grad():
         out = model("emo", dict(batch))
     labels = torch.tensor([2, 1])
