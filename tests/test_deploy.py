@@ -542,6 +542,41 @@ def test_int8_weights_keep_to_7_bits_so_a_cpu_without_vnni_does_not_saturate(tmp
     assert weights and max(int(np.abs(w.astype(np.int16)).max()) for w in weights) <= 64  # 2 x 255 x 64 < 32768
 
 
+@pytest.mark.parametrize("outliers_in_fp32", [False, True])
+def test_int8_per_channel_writes_the_librarys_own_graph_byte_for_byte(deployed, tmp_path, monkeypatch,
+                                                                      outliers_in_fp32):
+    """The export computes each weight's per-channel int8 scales in one array operation instead of ONNX
+    Runtime's loop over the channels (mtbert/export/quantize.py): on a real bi-encoder graph, and on one
+    with a channel of zeros and one of subnormals (the scales the library replaces with 1.0), the file
+    written is the library's own."""
+    import contextlib
+
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from mtbert.export import quantize as module
+
+    graph_of_two_products(tmp_path / "small.onnx")
+    small = onnx.load(tmp_path / "small.onnx")
+    matrix = numpy_helper.to_array(small.graph.initializer[0]).copy()
+    matrix[:, 0], matrix[:, 1] = 0.0, np.float32(1e-45)
+    small.graph.initializer[0].CopyFrom(numpy_helper.from_array(matrix, "matrix"))
+    onnx.save(small, tmp_path / "small.onnx")
+    at_once, weights = module.per_channel_at_once, []
+    monkeypatch.setattr(module, "per_channel_at_once", lambda tensor, *rest: weights.append(tensor.name)
+                        or at_once(tensor, *rest))
+    ways = {"at once": module._per_channel_at_once, "library": contextlib.nullcontext}
+    for source in (deployed.exports / "bi" / "sts.onnx", tmp_path / "small.onnx"):
+        written = {}
+        for way, quantizer in ways.items():
+            monkeypatch.setattr(module, "_per_channel_at_once", quantizer)
+            module.quantize(source, tmp_path / "int8.onnx", per_channel=True, outliers_in_fp32=outliers_in_fp32)
+            written[way] = (tmp_path / "int8.onnx").read_bytes()
+        assert written["at once"] == written["library"], source.name
+    assert "matrix" in weights and len(weights) > 10  # both graphs' weights went through the array operation
+
+
 def test_the_quantizer_logs_no_line_per_tensor_and_the_projects_loggers_are_untouched(tmp_path, caplog):
     """ONNX Runtime's quantizer logs an INFO line per tensor on the root logger (thousands for MPNet, in
     every export's log); the export drops them, and nothing else, only while it quantizes."""
