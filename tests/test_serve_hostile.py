@@ -302,7 +302,11 @@ def test_an_unfinished_body_does_not_hold_a_shutdown_past_its_grace(deployed, tm
     finally:
         if process.poll() is None:
             stop_server(process)
-    assert "drained: 1 request(s) answered" in log.read_text()
+    # every request in flight at the signal was answered: the half-sent one, and the scrape that saw it
+    # where the scrape's answer, already read here, had not yet left the server's accounting
+    text = log.read_text()
+    in_flight = int(re.search(r"SIGTERM: draining (\d+) request\(s\) in flight", text).group(1))
+    assert in_flight in (1, 2) and f"drained: {in_flight} request(s) answered" in text
 
 
 @pytest.mark.slow(reason="two server worker processes")
