@@ -78,21 +78,38 @@ def inherited(parent, path: Path, folder: Path, chain: tuple[str, ...]) -> list[
 
 
 def apply_recipe(recipe: Recipe, params_file: Path, out: Path) -> None:
-    """params_file with the recipe's overrides applied in order, as `dvc exp run -S` applies them, written
-    to `out` once all of them applied (`out` may be params_file itself)."""
+    """params_file with the recipe's overrides applied in order, as `dvc exp run -S` applies them (all in
+    one call), written to `out` once all of them applied (`out` may be params_file itself)."""
     from dvc.exceptions import InvalidArgumentError
     from dvc.utils.hydra import apply_overrides
 
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".recipe-") as folder:
         applied = Path(folder) / "params.yaml"  # DVC picks its YAML writer by the suffix
         applied.write_bytes(params_file.read_bytes())
-        for index, override in enumerate(recipe.overrides):  # one at a time, so that an error names its override
-            try:
-                apply_overrides(applied, [override])
-            except InvalidArgumentError as error:
-                cause = " ".join(str(error.__cause__ or error).split())
-                raise RecipeError(f"{recipe.path}: overrides[{index}] {override!r}: {cause}") from None
+        try:
+            apply_overrides(applied, list(recipe.overrides))
+        except InvalidArgumentError as error:
+            applied.write_bytes(params_file.read_bytes())
+            name_the_refused_override(recipe, applied)
+            raise RecipeError(f"{recipe.path}: overrides: {cause_of(error)}") from None
         os.replace(applied, out)
+
+
+def name_the_refused_override(recipe: Recipe, applied: Path) -> None:
+    """The overrides applied to `applied` one at a time (each call rewrites the file, so only once the
+    whole list was refused), raising a RecipeError naming the first one refused."""
+    from dvc.exceptions import InvalidArgumentError
+    from dvc.utils.hydra import apply_overrides
+
+    for index, override in enumerate(recipe.overrides):
+        try:
+            apply_overrides(applied, [override])
+        except InvalidArgumentError as error:
+            raise RecipeError(f"{recipe.path}: overrides[{index}] {override!r}: {cause_of(error)}") from None
+
+
+def cause_of(error: Exception) -> str:
+    return " ".join(str(error.__cause__ or error).split())
 
 
 def check_params(recipe: Recipe, params_file: Path) -> dict[str, str]:
