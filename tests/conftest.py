@@ -371,10 +371,9 @@ def kill_once_checkpointed(command: list[str], checkpoint: Path, timeout: float 
 # The longest test files first (by `pytest --durations`): pytest-xdist hands out whole files in collection
 # order (with --no-loadscope-reorder; by default it orders them by their number of tests), so a long file
 # handed out last would leave the other worker idle at the end. test_deploy.py goes early and builds the
-# shared `deployed` fixture (30 s); the files that need no export follow, so that the other worker works
-# rather than waits while it is built; the other files that use it go last. (Building `deployed` and
-# `ensemble_export` at once, one per worker, does not help on 2 cores: the suite is bound by its CPU work,
-# which the other worker's tests keep busy while one builds.)
+# shared `deployed` fixture (the suite's longest setup); the files that need no export follow, so that the
+# other worker works rather than waits while it is built; the other files that use it, or `ensemble_export`
+# (built from it), go last.
 LONGEST_FIRST = ("test_pipeline.py", "test_faults.py", "test_distributed.py", "test_train.py", "test_deploy.py",
                  "test_families.py", "test_arch.py", "test_pretrain.py", "test_errors.py")
 USE_DEPLOYED = ("test_ensemble_export.py", "test_serve_hostile.py", "test_serve.py", "test_fuzz.py", "test_bench.py")
@@ -415,8 +414,10 @@ def deployed(tmp_path_factory, trained):
 
 
 @pytest.fixture(scope="session")
-def ensemble_export(tmp_path_factory, trained) -> tuple[Path, dict]:
-    """exports/ensemble over `trained` as the `export_ensemble` stage writes it, and its metrics."""
+def ensemble_export(tmp_path_factory, deployed) -> tuple[Path, dict]:
+    """exports/ensemble over `trained` as the `export_ensemble` stage writes it, and its metrics; its members'
+    exports are `deployed`'s (tests/deployed.py, export_ensemble)."""
     from tests.deployed import export_ensemble
 
-    return built_once(tmp_path_factory, "ensemble-export", lambda root: export_ensemble(trained, root))
+    return built_once(tmp_path_factory, "ensemble-export", lambda root: export_ensemble(deployed, root,
+                                                                                         members_from=deployed))

@@ -1,7 +1,7 @@
 """Two small trained variants, their `predict` dumps, the ensemble over them and their exports, made by the
 pipeline's own stages, for the tests of the deployment (export, the ONNX engine, the server, the benchmark).
-The variants and the ensemble are built once (`trained`); the variants' own exports (`deployed`) and the
-ensemble's export (`ensemble_export`) are each built from them, once per session.
+The variants and the ensemble are built once (`trained`), then the variants' own exports (`deployed`), then the
+ensemble's export (`ensemble_export`), whose members are the variants' own exports copied, once per session.
 
 The variants are built from the 2-layer backbone with perturbed weights instead of trained (a folder as
 `train` writes it, in seconds), and between them cover every task kind and encoding: `cross` (one shared
@@ -12,8 +12,11 @@ over [u, v, |u-v|, u*v], STS the cosine bi-encoder).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,6 +31,7 @@ VARIANTS = {
                      "qqp": {"pooling": "mean", "encoding": "bi", "combine": "features"},
                      "sts": {"pooling": "mean", "encoding": "bi", "combine": "cosine"}}},
 }
+TASKS_OF = ("sst", "qqp", "sts")  # every variant's
 TASK_EPOCHS = {"cross": {"sst": 1, "qqp": 1, "sts": 1}, "bi": {"sst": 1, "qqp": 2, "sts": 1}}
 # predict as the engines are compared (fp32, small batches: several widths); a quick export
 PARAMS = {"predict": {"batch_size": 8, "bf16": False},
@@ -88,13 +92,43 @@ def export_each(trained: Deployed, folder: Path) -> Deployed:
     return deployed
 
 
-def export_ensemble(trained: Deployed, folder: Path) -> tuple[Path, dict]:
-    """exports/ensemble over `trained` as the `export_ensemble` stage writes it into `folder`, and its metrics."""
-    invoke("stages.export_ensemble", "--params-file", trained.params_file, "--tokenized-root", trained.tokenized_root,
-           "--models-dir", trained.models, "--ensemble-file", trained.ensemble_file,
-           "--dumps-dir", trained.ensemble_dir, "--out-dir", folder / "ensemble",
-           "--metrics-file", folder / "ensemble.json")
+def export_ensemble(trained: Deployed, folder: Path, members_from: Deployed | None = None) -> tuple[Path, dict]:
+    """exports/ensemble over `trained` as the `export_ensemble` stage writes it into `folder`, and its metrics.
+    With `members_from`, a member exported for all its tasks is that fixture's export of it, copied."""
+    copied: list[str] = []
+    with contextlib.nullcontext() if members_from is None else exports_copied_from(members_from, copied):
+        invoke("stages.export_ensemble", "--params-file", trained.params_file, "--tokenized-root",
+               trained.tokenized_root, "--models-dir", trained.models, "--ensemble-file", trained.ensemble_file,
+               "--dumps-dir", trained.ensemble_dir, "--out-dir", folder / "ensemble",
+               "--metrics-file", folder / "ensemble.json")
+    assert members_from is None or sorted(copied) == sorted(VARIANTS), f"members copied: {copied}"
     return folder / "ensemble", json.loads((folder / "ensemble.json").read_text())
+
+
+@contextlib.contextmanager
+def exports_copied_from(deployed: Deployed, copied: list[str]) -> Iterator[None]:
+    """The export stage's export of a variant (its folder and report) stands in for the one the ensemble's
+    export would make of it: the same function (export_variant) on the same model, tokens and options
+    (neither variant overrides `export`), the work of a whole export saved. A member exported for some of
+    its tasks only is exported anew."""
+    from mtbert.export import ensemble
+
+    made_here = ensemble.export_variant
+
+    def export_variant(model_dir: Path, out_dir: Path, options, tokenized_dir: Path, threads: int = 0,
+                       tasks: list[str] | None = None) -> dict:
+        exported = deployed.exports / model_dir.name
+        if model_dir != deployed.models / model_dir.name or tasks is not None and set(tasks) != set(TASKS_OF):
+            return made_here(model_dir, out_dir, options, tokenized_dir, threads, tasks)
+        shutil.copytree(exported, out_dir)
+        copied.append(model_dir.name)
+        return json.loads((deployed.export_metrics / f"{model_dir.name}.json").read_text())
+
+    ensemble.export_variant = export_variant
+    try:
+        yield
+    finally:
+        ensemble.export_variant = made_here
 
 
 def write_variant(deployed: Deployed, variant: str, backbone: Path) -> None:

@@ -546,7 +546,7 @@ def test_int8_weights_keep_to_7_bits_so_a_cpu_without_vnni_does_not_saturate(tmp
 def test_int8_per_channel_writes_the_librarys_own_graph_byte_for_byte(deployed, tmp_path, monkeypatch,
                                                                       outliers_in_fp32):
     """The export computes each weight's per-channel int8 scales in one array operation instead of ONNX
-    Runtime's loop over the channels (mtbert/export/quantize.py): on a real bi-encoder graph, and on one
+    Runtime's loop over the channels (mtbert/export/quantize.py): on a real graph, and on one
     with a channel of zeros and one of subnormals (the scales the library replaces with 1.0), the file
     written is the library's own."""
     import contextlib
@@ -567,7 +567,7 @@ def test_int8_per_channel_writes_the_librarys_own_graph_byte_for_byte(deployed, 
     monkeypatch.setattr(module, "per_channel_at_once", lambda tensor, *rest: weights.append(tensor.name)
                         or at_once(tensor, *rest))
     ways = {"at once": module._per_channel_at_once, "library": contextlib.nullcontext}
-    for source in (deployed.exports / "bi" / "sts.onnx", tmp_path / "small.onnx"):
+    for source in (deployed.exports / "cross" / "sst.onnx", tmp_path / "small.onnx"):
         written = {}
         for way, quantizer in ways.items():
             monkeypatch.setattr(module, "_per_channel_at_once", quantizer)
