@@ -81,7 +81,13 @@ def default_tasks() -> dict:
     return tasks_from_params(load_params(REPO_ROOT / "params.yaml").tasks)
 
 
-TASKS = default_tasks()
+def __getattr__(name: str):
+    """`TASKS` (the default tasks, by name), read on first use: reading them imports torch, which pytest's
+    controlling process loads this file without needing (under pytest-xdist it runs no test)."""
+    if name != "TASKS":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()["TASKS"] = tasks = default_tasks()
+    return tasks
 
 
 @pytest.fixture
