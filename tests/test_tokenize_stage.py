@@ -1,9 +1,6 @@
 """The tokenize stage through its command line."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -92,15 +89,17 @@ def test_a_task_declared_in_params_alone_is_tokenized(tmp_path):
     assert report["emo"]["test"]["rows_kept"] == 2 and "labels" not in report["emo"]["test"]
 
 
-def test_without_a_variant_each_variant_is_tokenized_by_its_own_encoder(tmp_path, tiny_backbone, tiny_mpnet):
+def test_without_a_variant_each_variant_is_tokenized_by_its_own_encoder(tmp_path, tiny_backbone, tiny_mpnet,
+                                                                       monkeypatch):
     """`python -m stages.tokenize` alone (by hand, or a runner without DVC) writes every variant's folder,
-    as `tokenize@<variant>` does: the same rows, ids and labels, each in its encoder's tokens."""
+    as `tokenize@<variant>` does: the same rows, ids and labels, each in its encoder's tokens. The command
+    with no argument, in the project's folder; the stage's own process runs in the pipeline tests' `dvc repro`."""
     raw = write_raw_files(tmp_path / "raw", synthetic_raw_files(8))
     write_params(tmp_path / "params.yaml", raw, {"model": {"name": str(tiny_backbone)}, "distill": {"variant": "bert"},
                                                  "models": {"bert": {}, "mpnet": {"model": {"name": str(tiny_mpnet)}}}})
-    result = subprocess.run([sys.executable, "-m", "stages.tokenize"], cwd=tmp_path, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-    assert result.returncode == 0, result.stderr
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, [])
+    assert result.exit_code == 0, result.output
     tables = {}
     for variant, pad_id in (("bert", b"0"), ("mpnet", b"1")):
         folder = tmp_path / "data" / "tokenized" / variant
