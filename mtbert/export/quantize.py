@@ -86,9 +86,9 @@ def _quiet_quantizer() -> Iterator[None]:
 @contextlib.contextmanager
 def _per_channel_at_once() -> Iterator[None]:
     """ONNX Runtime's dynamic quantization with each weight's per-channel scales computed in one array
-    operation (per_channel_at_once) instead of its Python loop over the channels, about 130 µs each: 3,456
-    channels a BERT layer at MiniLM's width, 44,575 in the test suite's two small variants, a quarter of
-    their export's time. The graph written is byte for byte the library's (tests/test_deploy.py)."""
+    operation (per_channel_at_once) instead of the library's Python loop, a call per channel (3,456 in a BERT
+    layer at MiniLM's width). The graph written is byte for byte the library's (tests/test_deploy.py; the
+    timings: docs/experiments/2026-12-07-make-check-on-the-avx2-epyc.md)."""
     import importlib
 
     import onnx
@@ -99,17 +99,16 @@ def _per_channel_at_once() -> Iterator[None]:
 
     class QuantizerPerChannelAtOnce(ONNXQuantizer):
         def quantize_weight_per_channel_impl(self, weight_name, weight_qType, channel_axis,  # noqa: N803
-                                             reduce_range=True, keep_float_weight=False):
+                                             reduce_range=True, keep_float_weight=False, **others):
             initializer = next((i for i in self.model.initializer() if i.name == weight_name), None)
-            if (initializer is None or initializer.data_type != onnx.TensorProto.FLOAT
+            if (others or initializer is None or initializer.data_type != onnx.TensorProto.FLOAT
                     or weight_qType != onnx.TensorProto.INT8 or not self.is_weight_symmetric(weight_qType)
-                    or keep_float_weight or self.min_real_range is not None
-                    or weight_name in self.tensor_quant_overrides):
+                    or keep_float_weight or getattr(self, "min_real_range", None) is not None
+                    or weight_name in self.tensor_quant_overrides):  # a case the library's code alone handles
                 return super().quantize_weight_per_channel_impl(weight_name, weight_qType, channel_axis,
-                                                                reduce_range, keep_float_weight)
+                                                                reduce_range, keep_float_weight, **others)
             tensors = per_channel_at_once(initializer, channel_axis, self.reduce_range and reduce_range)
-            self.model.initializer_extend(tensors[:2])  # in the library's order: scale, zero point, weight
-            self.model.initializer_extend(tensors[2:])
+            self.model.initializer_extend(tensors)  # in the library's order: scale, zero point, weight
             return tensors[2].name, tensors[1].name, tensors[0].name
 
     made_by = library.ONNXQuantizer
