@@ -396,10 +396,10 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_collection_finish(session):
-    """Everything the collection imported (torch, transformers, ONNX, the server: about 460,000 objects)
-    moved out of the garbage collector's sight. Each full collection then looks only at what the tests made
-    since: the stages free their cycles with gc.collect() at every epoch's end and between an export's
-    phases (mtbert/runtime.py), which over the imports costs 0.3 s a call."""
+    """Everything the collection imported (torch, transformers, ONNX, the server) moved out of the garbage
+    collector's sight. Each full collection then looks only at what the tests made since: the stages free
+    their cycles with gc.collect() at every epoch's end and between an export's phases (mtbert/runtime.py),
+    and a collection over all the imports is slow (docs/experiments/2026-12-07-make-check-on-the-avx2-epyc.md)."""
     gc.freeze()
 
 
