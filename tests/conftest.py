@@ -399,7 +399,7 @@ def pytest_collection_finish(session):
     """Everything the collection imported (torch, transformers, ONNX, the server) moved out of the garbage
     collector's sight. Each full collection then looks only at what the tests made since: the stages free
     their cycles with gc.collect() at every epoch's end and between an export's phases (mtbert/runtime.py),
-    and a collection over all the imports is slow (docs/experiments/2026-12-07-make-check-on-the-avx2-epyc.md)."""
+    and a collection over all the imports is slow (docs/performance.md, the test suite)."""
     gc.freeze()
 
 
