@@ -31,7 +31,6 @@ VARIANTS = {
                      "qqp": {"pooling": "mean", "encoding": "bi", "combine": "features"},
                      "sts": {"pooling": "mean", "encoding": "bi", "combine": "cosine"}}},
 }
-TASKS_OF = ("sst", "qqp", "sts")  # every variant's
 TASK_EPOCHS = {"cross": {"sst": 1, "qqp": 1, "sts": 1}, "bi": {"sst": 1, "qqp": 2, "sts": 1}}
 # predict as the engines are compared (fp32, small batches: several widths); a quick export (one batch timed)
 PARAMS = {"predict": {"batch_size": 8, "bf16": False},
@@ -117,12 +116,13 @@ def exports_copied_from(deployed: Deployed, copied: list[str]) -> Iterator[None]
 
     def export_variant(model_dir: Path, out_dir: Path, options, tokenized_dir: Path, threads: int = 0,
                        tasks: list[str] | None = None) -> dict:
-        exported = deployed.exports / model_dir.name
-        if model_dir != deployed.models / model_dir.name or tasks is not None and set(tasks) != set(TASKS_OF):
+        variant = model_dir.name
+        all_tasks = tasks is None or set(tasks) == set(TASK_EPOCHS.get(variant, ()))
+        if model_dir != deployed.models / variant or not all_tasks:
             return made_here(model_dir, out_dir, options, tokenized_dir, threads, tasks)
-        shutil.copytree(exported, out_dir)
-        copied.append(model_dir.name)
-        return json.loads((deployed.export_metrics / f"{model_dir.name}.json").read_text())
+        shutil.copytree(deployed.exports / variant, out_dir)
+        copied.append(variant)
+        return json.loads((deployed.export_metrics / f"{variant}.json").read_text())
 
     ensemble.export_variant = export_variant
     try:

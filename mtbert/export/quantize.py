@@ -87,20 +87,21 @@ def _quiet_quantizer() -> Iterator[None]:
 def _per_channel_at_once() -> Iterator[None]:
     """ONNX Runtime's dynamic quantization with each weight's per-channel scales computed in one array
     operation (per_channel_at_once) instead of the library's Python loop, a call per channel (3,456 in a BERT
-    layer at MiniLM's width). The graph written is byte for byte the library's (tests/test_deploy.py; the
-    timings: docs/experiments/2026-12-07-make-check-on-the-avx2-epyc.md)."""
+    layer at MiniLM's width). The graph written is byte for byte the library's (tests/test_deploy.py;
+    docs/inference.md)."""
     import importlib
 
     import onnx
     from onnxruntime.quantization import quantize_dynamic
     from onnxruntime.quantization.onnx_quantizer import ONNXQuantizer
+    from onnxruntime.quantization.quant_utils import find_by_name
 
     library = importlib.import_module(quantize_dynamic.__module__)  # whose quantize_dynamic builds the quantizer
 
     class QuantizerPerChannelAtOnce(ONNXQuantizer):
         def quantize_weight_per_channel_impl(self, weight_name, weight_qType, channel_axis,  # noqa: N803
                                              reduce_range=True, keep_float_weight=False, **others):
-            initializer = next((i for i in self.model.initializer() if i.name == weight_name), None)
+            initializer = find_by_name(weight_name, self.model.initializer())
             if (others or initializer is None or initializer.data_type != onnx.TensorProto.FLOAT
                     or weight_qType != onnx.TensorProto.INT8 or not self.is_weight_symmetric(weight_qType)
                     or keep_float_weight or getattr(self, "min_real_range", None) is not None
