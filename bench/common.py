@@ -107,17 +107,19 @@ def start_server(log: Path, *arguments, timeout: float = 120, env: dict | None =
                                    env={**os.environ, **(env or {})}, start_new_session=new_session)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"mtbert serve exited: {log.read_text().strip()}")
-        try:
-            # several workers: /health reaches one of them, so also wait for the supervisor's word on all
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200 and (
-                    workers == 1 or f"all {workers} worker(s) serving" in log.read_text()):
-                return process, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
+    # one client for every poll: each of httpx's module-level calls builds an SSL context, tens of ms of CPU
+    with httpx.Client(timeout=2, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+        while time.time() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"mtbert serve exited: {log.read_text().strip()}")
+            try:
+                # several workers: /health reaches one of them, so also wait for the supervisor's word on all
+                if http.get(f"{url}/health").status_code == 200 and (
+                        workers == 1 or f"all {workers} worker(s) serving" in log.read_text()):
+                    return process, url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
     stop_server(process)
     raise RuntimeError(f"mtbert serve did not answer /health within {timeout:.0f} s")
 

@@ -28,16 +28,32 @@ def load_params(path: Path | str = DEFAULT_PARAMS_FILE) -> Params:
 
 def read_yaml(path: Path) -> Any:
     """params.yaml's content as DVC reads it: YAML 1.2 (ruamel.yaml, DVC's own parser). PyYAML reads YAML 1.1,
-    in which `5e-05`, the way `dvc exp run -S train.lr=5e-5` writes a number, is a string."""
+    in which `5e-05`, the way `dvc exp run -S train.lr=5e-5` writes a number, is a string.
+
+    ruamel.yaml parses with its C parser (ruamel.yaml.clib, as DVC's own reads do where it is installed), far
+    faster than its pure-Python one. A file it refuses is parsed again in Python for the error alone, whose message
+    says what was found where (`expected ',' or ']', but got ':'`), not only what was missing."""
     try:
-        return YAML(typ="safe").load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ParamsError(f"{path}: file not found (run from the repository root)") from None
+    try:
+        return YAML(typ="safe").load(text)
     except YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or str(error)
-        raise ParamsError(f"{path}: not valid YAML{where}: {' '.join(problem.split())}") from None
+        raise ParamsError(f"{path}: not valid YAML{yaml_error(text, error)}") from None
+
+
+def yaml_error(text: str, error: YAMLError) -> str:
+    """Where and why `text` is not valid YAML, in one line: the pure-Python parser's words for it where it
+    refuses the text too."""
+    try:
+        YAML(typ="safe", pure=True).load(text)
+    except YAMLError as pure_error:
+        error = pure_error
+    mark = getattr(error, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(error, "problem", None) or str(error)
+    return f"{where}: {' '.join(problem.split())}"
 
 
 def parse_params(raw: Any, *, source: str = "params") -> Params:

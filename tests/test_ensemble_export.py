@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -20,6 +19,7 @@ from mtbert.inference import InputError, Predictor
 from mtbert.integrity import read_manifest
 from tests.commands import mtbert_in_process
 from tests.deployed import invoke
+from tests.loopback import HTTP
 from tests.test_deploy import TOLERANCE, dev_texts, dump_values
 from tests.test_properties import examples, refusal
 
@@ -129,7 +129,7 @@ def test_serve_answers_with_the_exported_ensemble_over_http(exported, trained, t
                                 timeout=300)
     try:
         pair = [["A man plays a guitar.", "A man is playing music."]]
-        answer = httpx.post(f"{url}/predict", json={"task": "sts", "texts": pair}, timeout=60)
+        answer = HTTP.post(f"{url}/predict", json={"task": "sts", "texts": pair}, timeout=60)
     finally:
         stop_server(process)
     assert answer.status_code == 200, answer.text

@@ -4,13 +4,13 @@ and without it, each answer put through every one of schemathesis' default check
 bench.fuzz` is the deep run. The same fuzz against the app with a handler broken on purpose (a 200 for an
 invalid body, a 200 without the token, a 500) must fail."""
 
-import httpx
 import pytest
 
 from bench.common import start_server, stop_server
 from bench.fuzz import API_KEY, fuzz, traceback_lines
 from mtbert.deploy.engine import OnnxPredictor
 from tests.inprocess import InProcess
+from tests.loopback import HTTP
 
 pytestmark = pytest.mark.slow(reason="a real server, a few hundred generated requests")
 
@@ -33,13 +33,13 @@ def guarded(deployed, tmp_path_factory):
 
 def test_the_openapi_document_lists_every_route_its_errors_and_its_token(guarded):
     url, _ = guarded
-    document = httpx.get(f"{url}/openapi.json").json()
+    document = HTTP.get(f"{url}/openapi.json").json()
     assert set(document["paths"]) == {"/predict", "/tasks", "/health", "/ready", "/metrics"}
     predict = document["paths"]["/predict"]["post"]
     assert {"200", "400", "401", "404", "408", "413", "422", "429", "499", "503"} <= set(predict["responses"])
     tasks = [option["properties"]["task"]["enum"][0]
              for option in predict["requestBody"]["content"]["application/json"]["schema"]["oneOf"]]
-    assert tasks == list(httpx.get(f"{url}/tasks").json()["tasks"])
+    assert tasks == list(HTTP.get(f"{url}/tasks").json()["tasks"])
     assert document["components"]["securitySchemes"]["bearer"] == {
         "type": "http", "scheme": "bearer", "description": "the server's --api-key"}
     assert {path for path, operations in document["paths"].items()

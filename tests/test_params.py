@@ -212,18 +212,27 @@ def test_unreadable_files_are_clear_errors(tmp_path):
         load_params(tmp_path / "params.yaml")
 
 
-@pytest.mark.parametrize(("text", "where"), [
-    ("train:\n  lr: 1\n   epochs: 2\n", "line 3, column 10"),  # a key indented under a scalar
-    ("train:\n  lr: [1, 2\nsmart: {}\n", "line 3, column 6"),  # an unclosed list
-    ("train:\n\tlr: 1\n", "line 2, column 1"),  # a tab
+@pytest.mark.parametrize(("text", "where", "problem"), [
+    ("train:\n  lr: 1\n   epochs: 2\n", "line 3, column 10", "mapping values are not allowed here"),  # under a scalar
+    ("train:\n  lr: [1, 2\nsmart: {}\n", "line 3, column 6", "expected ',' or ']', but got ':'"),  # an unclosed list
+    ("train:\n\tlr: 1\n", "line 2, column 1", "found character '\\t' that cannot start any token"),  # a tab
 ])
-def test_a_yaml_syntax_error_is_one_line_naming_the_file_line_and_column(tmp_path, text, where):
+def test_a_yaml_syntax_error_is_one_line_naming_the_file_line_and_column(tmp_path, text, where, problem):
+    """The C parser reads the file; a refusal is worded by the pure-Python one, which says what it found."""
     path = tmp_path / "params.yaml"
     path.write_text(text)
     for load in (load_params, lambda p: variant_params(p, "base")):
         with pytest.raises(ParamsError, match=f"^{path}: not valid YAML at {where}: ") as error:
             load(path)
-        assert "\n" not in str(error.value)
+        assert "\n" not in str(error.value) and str(error.value).endswith(f": {problem}")
+
+
+def test_params_yaml_is_read_by_ruamels_c_parser():
+    """ruamel.yaml.clib installed (pyproject.toml) and used: every stage and test reads params.yaml."""
+    from ruamel.yaml import YAML
+    from ruamel.yaml.clib._ruamel_yaml import CParser
+
+    assert YAML(typ="safe").Parser is CParser
 
 
 def test_numbers_as_dvc_writes_them_are_numbers_and_a_key_given_twice_is_refused(tmp_path):

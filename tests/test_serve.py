@@ -20,6 +20,7 @@ import pytest
 from bench.common import free_port, start_server, stop_server
 from mtbert.deploy.engine import OnnxPredictor
 from tests.conftest import REPO_ROOT, wait_for
+from tests.loopback import HTTP
 
 LIMITS = {"max_texts": 4, "max_chars": 200, "max_body_bytes": 2000}
 STARTUP_SECONDS = 300  # generous: a loaded machine (the other test workers) slows the start
@@ -73,11 +74,11 @@ def test_concurrent_requests_get_the_engines_results_in_shared_batches(server, d
 
 
 def test_tasks_and_health_describe_the_model(server):
-    tasks = httpx.get(f"{server}/tasks").json()["tasks"]
+    tasks = HTTP.get(f"{server}/tasks").json()["tasks"]
     assert tasks["sst"] == {"kind": "classification", "text": ["sentence"],
                             "results": [*(f"prob_{c}" for c in range(5)), "label"]}
     assert tasks["sts"] == {"kind": "regression", "text": ["sentence1", "sentence2"], "results": ["score", "label"]}
-    health = httpx.get(f"{server}/health").json()
+    health = HTTP.get(f"{server}/health").json()
     assert health["status"] == "ok" and health["tasks"] == ["sst", "qqp", "sts"]
 
 
@@ -116,19 +117,19 @@ REFUSALS = [
 
 @pytest.mark.parametrize(("sent", "status", "message"), REFUSALS)
 def test_every_limit_and_bad_input_is_refused_in_one_line_and_the_server_goes_on(server, sent, status, message):
-    response = httpx.post(f"{server}/predict", timeout=30, **sent)
+    response = HTTP.post(f"{server}/predict", timeout=30, **sent)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(response.json()) == {"error"} and "\n" not in error and re.search(message, error), error
-    assert httpx.post(f"{server}/predict", json={"task": "sst", "texts": ["Fine."]}).status_code == 200
+    assert HTTP.post(f"{server}/predict", json={"task": "sst", "texts": ["Fine."]}).status_code == 200
 
 
 def test_unknown_paths_and_methods_are_refused_in_json(server):
-    missing = httpx.get(f"{server}/nothing")
+    missing = HTTP.get(f"{server}/nothing")
     assert missing.status_code == 404 and missing.json() == {
         "error": "not found: GET /nothing; the API has POST /predict, GET /tasks, GET /health, GET /ready, "
                  "GET /metrics, GET /openapi.json"}
-    wrong = httpx.get(f"{server}/predict")
+    wrong = HTTP.get(f"{server}/predict")
     assert wrong.status_code == 405 and wrong.json()["error"].startswith("method not allowed: GET /predict")
 
 
@@ -295,7 +296,7 @@ def test_ready_is_503_while_draining_a_request_and_the_grace_period_ends_in_a_50
         with httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(1) as pool:
             assert client.get("/ready").json() == {"status": "ready"}
             queued = client.get("/health").json()["requests"]
-            waiting = pool.submit(lambda: httpx.post(f"{url}/predict", json={"task": "sst", "texts": ["Fine."]},
+            waiting = pool.submit(lambda: HTTP.post(f"{url}/predict", json={"task": "sst", "texts": ["Fine."]},
                                                      timeout=60))
             wait_for(lambda: client.get("/health").json()["requests"] > queued, "the request queued")
             process.send_signal(signal.SIGTERM)
@@ -321,7 +322,7 @@ def counted(url: str) -> dict[tuple[str, str], float]:
     """mtbert_requests_total by (endpoint, status), parsed as Prometheus parses the text format."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    response = httpx.get(f"{url}/metrics")
+    response = HTTP.get(f"{url}/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     families = {family.name: family for family in text_string_to_metric_families(response.text)}
     assert {"mtbert_request_seconds", "mtbert_engine_batch_texts", "mtbert_queue_depth",
@@ -338,8 +339,8 @@ def test_metrics_count_every_request_of_every_worker(deployed, tmp_path, workers
     try:
         before = counted(url)
         for index in range(12):  # a connection each: the kernel spreads them over the workers
-            httpx.post(f"{url}/predict", json={"task": "sst", "texts": [f"Film {index}."]}).raise_for_status()
-        assert httpx.post(f"{url}/predict", json={"task": "sst", "texts": []}).status_code == 422
+            HTTP.post(f"{url}/predict", json={"task": "sst", "texts": [f"Film {index}."]}).raise_for_status()
+        assert HTTP.post(f"{url}/predict", json={"task": "sst", "texts": []}).status_code == 422
         after = counted(url)
     finally:
         stop_server(process)

@@ -23,6 +23,7 @@ import pytest
 from bench.common import start_server, stop_server
 from mtbert.deploy.engine import OnnxPredictor
 from tests.conftest import wait_for
+from tests.loopback import HTTP
 
 STARTUP_SECONDS = 300
 API_KEY = "test-key-1"
@@ -47,7 +48,7 @@ AUTH = {"authorization": f"Bearer {API_KEY}"}
 
 def post(url: str, texts: list, **headers) -> httpx.Response:
     body = json.dumps({"task": "sst", "texts": texts})  # ASCII with escapes, as a lone surrogate needs
-    return httpx.post(f"{url}/predict", content=body, headers={"content-type": "application/json", **AUTH,
+    return HTTP.post(f"{url}/predict", content=body, headers={"content-type": "application/json", **AUTH,
                                                                 **headers}, timeout=60)
 
 
@@ -77,14 +78,14 @@ def until_closed(connection: socket.socket) -> str:
 def test_predict_and_metrics_ask_for_the_bearer_token_and_probes_do_not(strict):
     url, _ = strict
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": API_KEY}):
-        refused = httpx.post(f"{url}/predict", json={"task": "sst", "texts": ["Fine."]}, headers=headers)
+        refused = HTTP.post(f"{url}/predict", json={"task": "sst", "texts": ["Fine."]}, headers=headers)
         assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
         assert refused.json() == {"error": "missing or wrong bearer token: send `Authorization: Bearer <key>` "
                                            "(--api-key)"}
-    assert httpx.get(f"{url}/metrics").status_code == 401
-    assert httpx.get(f"{url}/metrics", headers=AUTH).status_code == 200
+    assert HTTP.get(f"{url}/metrics").status_code == 401
+    assert HTTP.get(f"{url}/metrics", headers=AUTH).status_code == 200
     assert post(url, ["Fine."]).status_code == 200
-    assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/ready").status_code == 200
+    assert HTTP.get(f"{url}/health").status_code == 200 and HTTP.get(f"{url}/ready").status_code == 200
 
 
 def test_request_ids_are_echoed_and_each_request_is_one_json_log_line(strict):
@@ -143,26 +144,26 @@ def test_a_bad_text_fails_only_its_own_request(strict):
 def metric(url: str, name: str, **labels) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{url}/metrics", headers=AUTH).text
+    text = HTTP.get(f"{url}/metrics", headers=AUTH).text
     return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
 
 
 def test_a_client_that_hangs_up_is_one_log_line_and_is_never_computed(strict):
     url, log = strict
-    calls = httpx.get(f"{url}/health").json()["engine_calls"]
+    calls = HTTP.get(f"{url}/health").json()["engine_calls"]
     gone = metric(url, "mtbert_requests_total", endpoint="/predict", status="499")
     half_a_body(url).close()  # mid-body
     queued = raw_connection(url)  # a whole request, then gone while its batch waits for company
     body = json.dumps({"task": "sst", "texts": ["Gone."]}).encode()
-    requests = httpx.get(f"{url}/health").json()["requests"]
+    requests = HTTP.get(f"{url}/health").json()["requests"]
     queued.sendall(b"POST /predict HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer " + API_KEY.encode() +
                    b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    wait_for(lambda: httpx.get(f"{url}/health").json()["requests"] > requests, "the request queued")
+    wait_for(lambda: HTTP.get(f"{url}/health").json()["requests"] > requests, "the request queued")
     queued.close()
     wait_for(lambda: metric(url, "mtbert_requests_total", endpoint="/predict", status="499") == gone + 2,
              "both hang-ups counted as 499")
-    assert httpx.get(f"{url}/health").json()["engine_calls"] == calls  # its batch ran nothing
+    assert HTTP.get(f"{url}/health").json()["engine_calls"] == calls  # its batch ran nothing
     text = log.read_text()
     assert re.search(r"the client hung up while sending its body \(\d bytes came\); nothing was sent", text)
     assert "the client hung up while its request waited for the engine" in text
@@ -174,11 +175,11 @@ def test_slow_headers_and_bodies_are_cut_off_after_the_read_timeout(strict):
     slow_headers = raw_connection(url)
     slow_headers.sendall(b"POST /predict HTTP/1.1\r\nHo")
     started = time.monotonic()
+    slow_body = half_a_body(url)  # both at once: their timeouts run together
     assert slow_headers.recv(1000) == b""  # closed
     # the timeout is the behaviour: not long before it (half of it: a margin far beyond the timer's), and after
     # it with slack far beyond scheduling noise
     assert READ_TIMEOUT * 0.5 <= time.monotonic() - started < READ_TIMEOUT + 30
-    slow_body = half_a_body(url)
     answer = until_closed(slow_body)
     assert answer.startswith("HTTP/1.1 408 ") and "connection: close" in answer.lower()
     assert answer.endswith('{"error":"the body was not received within 1 s (--read-timeout); 8 bytes came"}')
@@ -321,7 +322,7 @@ def test_a_signal_to_the_process_group_is_one_drain_that_keeps_its_grace(deploye
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(httpx.post, f"{url}/predict", json={"task": "sst", "texts": ["Fine."]}, timeout=60)
             # a worker has queued it (each worker counts its own; /health reaches either)
-            wait_for(lambda: httpx.get(f"{url}/health").json()["requests"] >= 1, "the request queued")
+            wait_for(lambda: HTTP.get(f"{url}/health").json()["requests"] >= 1, "the request queued")
             os.killpg(process.pid, signal.SIGTERM)
             assert waiting.result().status_code == 200
         assert process.wait(timeout=60) == 0

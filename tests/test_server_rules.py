@@ -24,6 +24,7 @@ from mtbert.deploy.engine import ExportedTask
 from mtbert.deploy.serve_config import Admission, Batching, Limits, Operations
 from tests.conftest import wait_for
 from tests.inprocess import InProcess
+from tests.loopback import HTTP
 
 KEY = "s3cret-token"
 PATIENCE = 10  # seconds for what takes milliseconds here: the server's answers, its counters, the engine's gate
@@ -73,7 +74,7 @@ def serving(engine: GatedEngine, limits=Limits(), admission=Admission(), operati
 
 
 def predict(url: str, texts: list, task: str = "sst", **headers) -> httpx.Response:
-    return httpx.post(f"{url}/predict", json={"task": task, "texts": texts}, headers=headers, timeout=PATIENCE)
+    return HTTP.post(f"{url}/predict", json={"task": task, "texts": texts}, headers=headers, timeout=PATIENCE)
 
 
 def in_background(call) -> tuple[threading.Thread, list]:
@@ -86,7 +87,7 @@ def in_background(call) -> tuple[threading.Thread, list]:
 
 def counted(url: str, name: str, **labels) -> float:
     """A figure of /metrics (0 if it has no such sample yet)."""
-    text = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {KEY}"}).text
+    text = HTTP.get(f"{url}/metrics", headers={"authorization": f"Bearer {KEY}"}).text
     wanted = ",".join(f'{key}="{value}"' for key, value in labels.items())
     for line in text.splitlines():
         if line.startswith(f"{name}{{{wanted}}} ") or (not labels and line.startswith(f"{name} ")):
@@ -106,7 +107,7 @@ def until(condition, what: str) -> None:
 
 
 def submitted(url: str) -> int:
-    return httpx.get(f"{url}/health").json()["requests"]
+    return HTTP.get(f"{url}/health").json()["requests"]
 
 
 # --- request ids --------------------------------------------------------------------------------------------
@@ -124,8 +125,8 @@ def test_a_plain_request_id_is_echoed_and_any_other_is_replaced_by_a_new_one():
 
 def test_every_answer_carries_its_request_id_refusals_and_unknown_paths_included():
     with serving(GatedEngine(), operations=Operations(api_key=KEY)) as (url, _, _):
-        answers = [httpx.post(f"{url}/predict", json={}, headers={"x-request-id": "r1"}),  # 401
-                   httpx.get(f"{url}/nowhere", headers={"x-request-id": "r2"}),  # 404
+        answers = [HTTP.post(f"{url}/predict", json={}, headers={"x-request-id": "r1"}),  # 401
+                   HTTP.get(f"{url}/nowhere", headers={"x-request-id": "r2"}),  # 404
                    predict(url, ["a film"], authorization=f"Bearer {KEY}", **{"x-request-id": "r3"}),
                    predict(url, [""], authorization=f"Bearer {KEY}", **{"x-request-id": "r4"})]  # 422
         assert [(answer.status_code, answer.headers["x-request-id"]) for answer in answers] == \
@@ -150,14 +151,14 @@ def test_predict_and_metrics_ask_for_the_token_and_the_probes_and_the_document_d
         for written in (f"Bearer {KEY}", f"bearer {KEY}", f"BEARER   {KEY}"):
             assert predict(url, ["a film"], authorization=written).status_code == 200, written
         for path in ("/health", "/ready", "/tasks", "/openapi.json"):
-            assert httpx.get(f"{url}{path}").status_code == 200, path
+            assert HTTP.get(f"{url}{path}").status_code == 200, path
 
 
 def test_without_a_key_nothing_asks_for_a_token():
     with serving(GatedEngine()) as (url, _, _):
         assert predict(url, ["a film"]).status_code == 200
-        assert httpx.get(f"{url}/metrics").status_code == 200
-        assert "securitySchemes" not in httpx.get(f"{url}/openapi.json").json().get("components", {})
+        assert HTTP.get(f"{url}/metrics").status_code == 200
+        assert "securitySchemes" not in HTTP.get(f"{url}/openapi.json").json().get("components", {})
 
 
 # --- admission ----------------------------------------------------------------------------------------------
@@ -171,7 +172,7 @@ def test_past_the_concurrency_bound_a_predict_is_refused_at_once_and_the_others_
         assert refused.json() == {"error": "overloaded: 2 requests are in the server, its bound "
                                            "(--max-concurrent-requests); send it again after Retry-After"}
         assert refused.headers["retry-after"] == "1" and refused.headers["connection"] == "close"
-        assert httpx.get(f"{url}/health").status_code == 200  # only /predict is bounded
+        assert HTTP.get(f"{url}/health").status_code == 200  # only /predict is bounded
         engine.gate.set()
         for thread, answers in held:
             thread.join(PATIENCE)
@@ -245,7 +246,7 @@ def test_waiting_requests_share_calls_up_to_max_batch_and_a_failed_call_is_retri
         assert answers[1].json()["results"] == [{"prob_1": 0.5, "label": 2}, {"prob_1": 0.5, "label": 2}]
         # the second batch holds 3 texts (b1, b2, boom); its call fails, so each request runs alone
         assert engine.calls == [[("a",)], [("b1",), ("b2",), ("boom",)], [("b1",), ("b2",)], [("boom",)], [("d",)]]
-        assert httpx.get(f"{url}/health").json()["engine_calls"] == 3  # the calls that answered
+        assert HTTP.get(f"{url}/health").json()["engine_calls"] == 3  # the calls that answered
     # the retried request's own failure is logged, naming it and its error
     assert "request boom: the engine failed on its 1 text(s) of task sst: RuntimeError: a planted engine failure" \
         in capfd.readouterr().err
@@ -389,8 +390,8 @@ def test_the_end_of_the_grace_period_answers_every_request_in_flight_503():
         assert lifecycle.last_activity > quiet_since
         server.call_soon(lifecycle.begin_drain)  # what a SIGTERM does (mtbert/deploy/lifecycle.py)
         until(lambda: lifecycle.draining, "the drain begun")
-        assert httpx.get(f"{url}/ready").status_code == 503
-        answer = httpx.get(f"{url}/health")
+        assert HTTP.get(f"{url}/ready").status_code == 503
+        answer = HTTP.get(f"{url}/health")
         assert answer.headers["connection"] == "close" and answer.json()["draining"] is True
         server.call_soon(lambda: [answer_now() for answer_now in lifecycle.on_grace_end])  # the grace period's end
         for thread, answers in held:
@@ -408,18 +409,18 @@ def test_the_end_of_the_grace_period_answers_every_request_in_flight_503():
 def test_health_is_503_while_an_engine_call_runs_past_the_request_timeout():
     engine = GatedEngine(shut=True)
     with serving(engine, admission=Admission(request_timeout=0.5)) as (url, _, _):
-        assert httpx.get(f"{url}/health").json()["status"] == "ok"
+        assert HTTP.get(f"{url}/health").json()["status"] == "ok"
         stuck = in_background(lambda: predict(url, ["stuck"]))
-        until(lambda: httpx.get(f"{url}/health").status_code == 503, "the stalled engine call seen")
-        body = httpx.get(f"{url}/health").json()
+        until(lambda: HTTP.get(f"{url}/health").status_code == 503, "the stalled engine call seen")
+        body = HTTP.get(f"{url}/health").json()
         assert body["status"] == "unhealthy" and body["engine_calls"] == 0 and body["requests"] == 1
         ran = re.fullmatch(r"an engine call has run for (\d+) s, past the request timeout of 0.5 s", body["error"])
         assert ran and int(ran.group(1)) <= PATIENCE, body["error"]
         stuck[0].join(PATIENCE)
         assert stuck[1][0].status_code == 503  # its own deadline passed
         engine.gate.set()
-        until(lambda: httpx.get(f"{url}/health").status_code == 200, "the engine healthy again")
-        assert httpx.get(f"{url}/health").json() == {"status": "ok", "tasks": ["sst", "qqp"], "requests": 1,
+        until(lambda: HTTP.get(f"{url}/health").status_code == 200, "the engine healthy again")
+        assert HTTP.get(f"{url}/health").json() == {"status": "ok", "tasks": ["sst", "qqp"], "requests": 1,
                                                     "engine_calls": 1, "draining": False}
 
 
@@ -551,9 +552,9 @@ def test_each_request_is_counted_once_by_endpoint_and_status_and_unknown_paths_a
     with serving(GatedEngine()) as (url, _, _):
         predict(url, ["a film"])
         predict(url, ["a film"], task="nli")
-        httpx.get(f"{url}/tasks")
-        httpx.get(f"{url}/nowhere")
-        httpx.get(f"{url}/nowhere/else")
+        HTTP.get(f"{url}/tasks")
+        HTTP.get(f"{url}/nowhere")
+        HTTP.get(f"{url}/nowhere/else")
         assert counted(url, "mtbert_requests_total", endpoint="/predict", status="200") == 1
         assert counted(url, "mtbert_requests_total", endpoint="/predict", status="404") == 1
         assert counted(url, "mtbert_requests_total", endpoint="/tasks", status="200") == 1
@@ -584,7 +585,7 @@ def test_each_request_is_one_access_log_line(style, capfd):
         sent = time.monotonic()
         predict(url, ["a film", "another"], **{"x-request-id": "log-1"})
         round_trip = time.monotonic() - sent
-        httpx.get(f"{url}/tasks", headers={"x-request-id": "log-2"})
+        HTTP.get(f"{url}/tasks", headers={"x-request-id": "log-2"})
         written: list[str] = []  # the line is written just after the answer's last byte: wait for it
 
         def logged() -> bool:
