@@ -425,10 +425,12 @@ def subprocess_text(result: subprocess.CompletedProcess) -> subprocess.Completed
      r"^error: stdin row 2 \(id 2\): sentence is empty or invisible"),
 ])
 def test_bad_input_is_the_same_one_line_on_both_engines(deployed, arguments, stdin, message):
-    """The export's command as a process of its own, so its stderr is exactly what a user sees; the PyTorch
-    engine's in this process (tests/commands.py), whose printed line test_faults checks on a real process."""
+    """Both engines' commands in this process (tests/commands.py), the export's on its manifest and graphs
+    (the tasks it holds, its tokenizer). The printed line is checked on real processes: the export's by
+    test_an_engine_that_cannot_run_the_folder_is_one_line (and, with stdin, by the slow
+    test_the_command_on_exports_gives_the_pytorch_commands_output), the PyTorch engine's by test_faults."""
     stdin = stdin if stdin is not None else b""
-    onnx = subprocess_text(predict("--model", deployed.exports / "cross", *arguments, stdin=stdin))
+    onnx = predict_in_process("--model", deployed.exports / "cross", *arguments, stdin=stdin)
     pytorch = predict_in_process("--model", deployed.models / "cross", *arguments, stdin=stdin)
     errors = []
     for result in (onnx, pytorch):
