@@ -297,7 +297,7 @@ def test_ready_is_503_while_draining_a_request_and_the_grace_period_ends_in_a_50
             assert client.get("/ready").json() == {"status": "ready"}
             queued = client.get("/health").json()["requests"]
             waiting = pool.submit(lambda: HTTP.post(f"{url}/predict", json={"task": "sst", "texts": ["Fine."]},
-                                                     timeout=60))
+                                                    timeout=60))
             wait_for(lambda: client.get("/health").json()["requests"] > queued, "the request queued")
             process.send_signal(signal.SIGTERM)
             answers = []  # /ready on the connection the server already had, until the drain has begun

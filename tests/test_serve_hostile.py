@@ -49,7 +49,7 @@ AUTH = {"authorization": f"Bearer {API_KEY}"}
 def post(url: str, texts: list, **headers) -> httpx.Response:
     body = json.dumps({"task": "sst", "texts": texts})  # ASCII with escapes, as a lone surrogate needs
     return HTTP.post(f"{url}/predict", content=body, headers={"content-type": "application/json", **AUTH,
-                                                                **headers}, timeout=60)
+                                                               **headers}, timeout=60)
 
 
 def raw_connection(url: str) -> socket.socket:
