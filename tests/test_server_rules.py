@@ -490,6 +490,69 @@ def test_the_middleware_follows_each_exchange_from_its_entry_to_its_one_answer()
     asyncio.run(scenario())
 
 
+def test_a_request_is_counted_before_the_last_part_of_its_answer_is_sent():
+    """With `--workers N` a client's next request can reach another worker, which reads this worker's figures at
+    once: so a request leaves the in-flight gauge and enters the counts before its answer ends, not after."""
+    from mtbert.deploy.lifecycle import Lifecycle
+    from mtbert.deploy.metrics import ServerMetrics
+    from mtbert.deploy.middleware import ServingMiddleware
+
+    async def app(scope, receive, send) -> None:  # an answer in two parts
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{", "more_body": True})
+        await send({"type": "http.response.body", "body": b"}"})
+
+    metrics = ServerMetrics()
+    serving = ServingMiddleware(app, Lifecycle(), metrics, Admission(), Operations(api_key=KEY))
+
+    def figures(endpoint: str, status: str) -> tuple[float, float]:
+        count = metrics.registry.get_sample_value("mtbert_requests_total", {"endpoint": endpoint, "status": status})
+        return metrics.registry.get_sample_value("mtbert_requests_in_flight"), count or 0.0
+
+    def seen_at_each_send(path: str, status: str) -> list[tuple[str, float, float]]:
+        seen = []
+
+        async def send(message) -> None:
+            seen.append((message["type"], *figures(path, status)))
+
+        asyncio.run(serving({"type": "http", "path": path, "method": "GET", "headers": []}, None, send))
+        return seen
+
+    assert seen_at_each_send("/health", "200") == [("http.response.start", 1, 0), ("http.response.body", 1, 0),
+                                                   ("http.response.body", 0, 1)]
+    # the middleware's own answer: /metrics without the token
+    assert seen_at_each_send("/metrics", "401") == [("http.response.start", 1, 0), ("http.response.body", 0, 1)]
+    assert figures("/health", "200") == (0, 1)  # counted once
+
+
+@pytest.mark.parametrize("supervised", [True, False])
+def test_a_signal_that_arrives_inside_the_first_ones_handler_is_a_second_signal(supervised, capsys):
+    """CPython runs a signal's handler between bytecodes, so a second SIGTERM (a signal to the process group and
+    the supervisor's copy of it) can run the handler again inside the first. That is still one drain; without
+    the supervisor it ends the grace period, as any second signal does."""
+    import signal
+
+    import uvicorn
+
+    from mtbert.deploy.lifecycle import DrainingServer, Lifecycle
+
+    lifecycle = Lifecycle()
+    server = DrainingServer(uvicorn.Config(app=None), lifecycle, grace=10, supervised=supervised)
+    begin_drain = lifecycle.begin_drain
+
+    def begin_drain_interrupted() -> None:  # the second signal lands as the first one's handler runs
+        lifecycle.begin_drain = begin_drain
+        server.handle_exit(signal.SIGTERM, None)
+        begin_drain()
+
+    lifecycle.begin_drain = begin_drain_interrupted
+    server.handle_exit(signal.SIGTERM, None)
+    assert capsys.readouterr().err.count("SIGTERM: draining") == 1
+    assert lifecycle.draining and server.grace_over is not supervised
+    server.handle_exit(signal.SIGTERM, None)  # a third, later
+    assert capsys.readouterr().err == "" and server.grace_over is not supervised
+
+
 def test_the_batching_loop_says_when_it_has_stopped():
     from mtbert.deploy.batcher import MicroBatcher
     from mtbert.deploy.metrics import ServerMetrics

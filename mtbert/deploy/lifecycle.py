@@ -34,6 +34,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 
 import uvicorn
@@ -76,13 +77,18 @@ class DrainingServer(uvicorn.Server):
         self.drain_started: float | None = None
         self.accepting = True  # until the drain's first tick
         self.grace_over = False
+        self.first_signal = threading.Lock()  # taken by the signal that starts the drain
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self.supervised and (sig == signal.SIGINT or self.lifecycle.draining):
-            return  # the terminal's Ctrl-C is the supervisor's; a repeated SIGTERM is the same shutdown
-        if self.lifecycle.draining:  # a second signal: no more waiting
-            self.end_grace()
-            return
+        if self.supervised and sig == signal.SIGINT:
+            return  # the terminal's Ctrl-C is the supervisor's
+        # The first signal is told from the next by one test-and-set in C: CPython runs a signal's handler
+        # between two bytecodes, so a second signal can run it again inside the first, before a flag set in
+        # Python would be (the process group's SIGTERM and the supervisor's copy of it, microseconds apart).
+        if not self.first_signal.acquire(blocking=False):
+            if not self.supervised:  # a second signal: no more waiting
+                self.end_grace()
+            return  # under the supervisor a repeated SIGTERM is the same shutdown
         self.lifecycle.begin_drain()  # not uvicorn's: it would re-raise the signal on exit
         self.drain_started = time.monotonic()
         log(f"{signal.Signals(sig).name}: draining {self.lifecycle.in_flight} request(s) in flight, "

@@ -10,7 +10,8 @@ In order:
    withdrawn from the micro-batcher's queue (so it is never computed); the end of a drain's grace period
    does the same to every request still in flight;
 5. **counting**: requests in flight (a drain waits for them), `Connection: close` while draining, each
-   request's status and latency for /metrics, and one access-log line (`--access-log`);
+   request's status and latency for /metrics, and one access-log line (`--access-log`), all before the last
+   part of its answer is sent, so that its client's next request finds it counted;
 6. **a client that hangs up** is one log line and status 499 in /metrics (nginx's "client closed
    request"): nothing is sent, and it is not a 500.
 
@@ -51,6 +52,7 @@ class Exchange:
     started: float = dataclasses.field(default_factory=time.monotonic)
     status: int = 500  # until a response starts: 500 means the app raised before it answered
     responded: bool = False
+    counted: bool = False  # in /metrics: out of the in-flight gauge, into the requests by status
     task: asyncio.Task | None = None  # the app's handling of it
     aborted: str | None = None  # why the middleware cancelled it: "timeout" or "shutdown"
 
@@ -96,16 +98,15 @@ class ServingMiddleware:
         try:
             refusal = self.refusal(scope, exchange)
             if refusal:
-                await self.send_error(send, exchange, *refusal)
+                await self.send_error(scope, send, exchange, *refusal)
             else:
                 await self.handle(scope, receive, send, exchange)
         finally:
             self.lifecycle.in_flight -= 1
-            self.metrics.in_flight.dec()
             self.lifecycle.last_activity = time.monotonic()
             if self.lifecycle.draining:
                 self.lifecycle.served += 1
-            self.count(scope, exchange)
+            self.count(scope, exchange)  # if its answer did not end (the client hung up, the app raised)
 
     def refusal(self, scope, exchange: Exchange) -> tuple[int, str, dict] | None:
         """A 401 or 429 to answer before the request is read, or None to let it in."""
@@ -131,6 +132,8 @@ class ServingMiddleware:
                 if self.lifecycle.draining:
                     headers.append((b"connection", b"close"))
                 message = {**message, "headers": headers}
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                self.count(scope, exchange)
             await send(message)
 
         predict = exchange.endpoint == "/predict"
@@ -147,7 +150,7 @@ class ServingMiddleware:
             self.metrics.shed.labels(exchange.aborted).inc()
             if not exchange.responded:
                 status, message = ABORTED[exchange.aborted]
-                await self.send_error(send, exchange, status,
+                await self.send_error(scope, send, exchange, status,
                                       message.format(timeout=self.admission.request_timeout), self.retry_headers())
         except ClientGone as gone:
             exchange.status = CLIENT_GONE
@@ -159,16 +162,23 @@ class ServingMiddleware:
             if deadline is not None:
                 deadline.cancel()
 
-    async def send_error(self, send, exchange: Exchange, status: int, message: str, headers: dict) -> None:
+    async def send_error(self, scope, send, exchange: Exchange, status: int, message: str, headers: dict) -> None:
         body = json.dumps({"error": message}).encode()
         exchange.status = status
         raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"x-request-id", exchange.request_id.encode()),
                *((name.encode(), value.encode()) for name, value in headers.items())]
         await send({"type": "http.response.start", "status": status, "headers": raw})
+        self.count(scope, exchange)
         await send({"type": "http.response.body", "body": body})
 
     def count(self, scope, exchange: Exchange) -> None:
+        """A request's figures, once, just before the last part of its answer is sent: a client that has its
+        answer finds it counted by its next request, even one that another worker answers (`--workers N`)."""
+        if exchange.counted:
+            return
+        exchange.counted = True
+        self.metrics.in_flight.dec()
         seconds = time.monotonic() - exchange.started
         self.metrics.requests.labels(exchange.endpoint, str(exchange.status)).inc()
         self.metrics.latency.labels(exchange.endpoint).observe(seconds)
