@@ -356,12 +356,12 @@ def test_a_text_counts_its_characters_up_to_the_cap():
 
 
 # --- deadlines, the grace period, clients that hang up ------------------------------------------------------
-def test_past_its_deadline_a_request_gets_503_and_a_queued_one_is_never_computed():
+def test_past_its_deadline_a_request_gets_503_and_a_queued_one_is_never_computed(capfd):
     engine = GatedEngine(shut=True)
-    with serving(engine, admission=Admission(request_timeout=0.5), batching=Batching(max_batch=1, wait_ms=0)) \
-            as (url, _, _):
+    with serving(engine, admission=Admission(request_timeout=0.5), batching=Batching(max_batch=1, wait_ms=0),
+                 operations=Operations(access_log="text")) as (url, _, _):
         computing = held_in_the_engine(url, engine, ["computing", "its second text"])  # one call each
-        queued = predict(url, ["queued"])  # waits behind it until its own deadline
+        queued = predict(url, ["queued"], **{"x-request-id": "late-1"})  # waits behind it until its own deadline
         assert queued.status_code == 503 and queued.headers["retry-after"] == "1"
         assert queued.json() == {"error": "not answered within the request timeout of 0.5 s (--request-timeout): "
                                           "the server is busy; send it again later"}
@@ -374,6 +374,7 @@ def test_past_its_deadline_a_request_gets_503_and_a_queued_one_is_never_computed
         assert counted(url, "mtbert_shed_requests_total", reason="timeout") == 2
         assert counted(url, "mtbert_requests_total", endpoint="/predict", status="503") == 2
         assert counted(url, "mtbert_queue_depth") == 0
+    assert re.search(r'"POST /predict" 503 \d+\.\d{4} s id=late-1\n', capfd.readouterr().err)  # its access-log line
 
 
 def test_the_end_of_the_grace_period_answers_every_request_in_flight_503():
@@ -590,7 +591,7 @@ def test_stopping_the_batcher_ends_its_running_loop():
 
 def test_a_client_that_hangs_up_is_counted_499_and_its_rows_are_dropped(capfd):
     engine = GatedEngine(shut=True)
-    with serving(engine) as (url, _, _):
+    with serving(engine, operations=Operations(access_log="text")) as (url, _, _):
         computing = held_in_the_engine(url, engine, ["computing"])
         body = json.dumps({"task": "sst", "texts": ["gone"]}).encode()
         port = int(url.rsplit(":", 1)[1])
@@ -606,8 +607,9 @@ def test_a_client_that_hangs_up_is_counted_499_and_its_rows_are_dropped(capfd):
         assert predict(url, ["after"]).status_code == 200
         assert engine.texts_called() == ["computing", "after"]
         assert counted(url, "mtbert_shed_requests_total", reason="client_gone") == 1
-    assert "request gone-1: the client hung up while its request waited for the engine; nothing was sent" in \
-        capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "request gone-1: the client hung up while its request waited for the engine; nothing was sent" in err
+    assert re.search(r'"POST /predict" 499 \d+\.\d{4} s id=gone-1\n', err), err  # its access-log line
 
 
 # --- counting and access logs -------------------------------------------------------------------------------
@@ -644,22 +646,17 @@ def test_a_failing_engine_fails_only_its_own_request_with_a_500_naming_its_id(ca
 
 @pytest.mark.parametrize("style", ["json", "text"])
 def test_each_request_is_one_access_log_line(style, capfd):
-    with serving(GatedEngine(), operations=Operations(access_log=style)) as (url, _, _):
+    with serving(GatedEngine(), operations=Operations(access_log=style, api_key=KEY)) as (url, _, _):
         sent = time.monotonic()
-        predict(url, ["a film", "another"], **{"x-request-id": "log-1"})
+        predict(url, ["a film", "another"], **{"x-request-id": "log-1", "authorization": f"Bearer {KEY}"})
         round_trip = time.monotonic() - sent
         HTTP.get(f"{url}/tasks", headers={"x-request-id": "log-2"})
-        written: list[str] = []  # the line is written just after the answer's last byte: wait for it
-
-        def logged() -> bool:
-            written.append(capfd.readouterr().err)
-            return "id=log-2" in written[-1] or '"log-2"' in "".join(written)
-
-        until(logged, "the second request's log line")
-    lines = [line for line in "".join(written).splitlines() if "log-" in line]
-    assert len(lines) == 2, lines
+        assert HTTP.get(f"{url}/metrics", headers={"x-request-id": "log-3"}).status_code == 401  # the middleware's
+    # each line is written before the last part of its answer is sent (mtbert/deploy/middleware.py)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "log-" in line]
+    assert len(lines) == 3, lines
     if style == "json":
-        first, second = map(json.loads, lines)
+        first, second, refused = map(json.loads, lines)
         assert {key: first[key] for key in ("request_id", "method", "path", "status", "texts")} == \
             {"request_id": "log-1", "method": "POST", "path": "/predict", "status": 200, "texts": 2}
         assert first["queue_seconds"] >= 0 and first["compute_seconds"] >= 0
@@ -667,11 +664,14 @@ def test_each_request_is_one_access_log_line(style, capfd):
         assert first["queue_seconds"] + first["compute_seconds"] <= first["seconds"]
         assert first["client"].startswith("127.0.0.1:") and isinstance(first["time"], float)
         assert second["path"] == "/tasks" and second["queue_seconds"] is None and second["texts"] is None
+        assert refused["path"] == "/metrics" and refused["status"] == 401
     else:
         assert re.fullmatch(r'mtbert serve \[\d+\]: 127\.0\.0\.1:\d+ "POST /predict" 200 \d+\.\d{4} s '
                             r'\(queued \d+\.\d{4} s, computed \d+\.\d{4} s\) id=log-1', lines[0]), lines[0]
         assert re.fullmatch(r'mtbert serve \[\d+\]: 127\.0\.0\.1:\d+ "GET /tasks" 200 \d+\.\d{4} s id=log-2',
                             lines[1]), lines[1]
+        assert re.fullmatch(r'mtbert serve \[\d+\]: 127\.0\.0\.1:\d+ "GET /metrics" 401 \d+\.\d{4} s id=log-3',
+                            lines[2]), lines[2]
 
 
 # --- the OpenAPI document's parts ---------------------------------------------------------------------------
