@@ -651,7 +651,7 @@ def test_each_request_is_one_access_log_line(style, capfd):
         predict(url, ["a film", "another"], **{"x-request-id": "log-1", "authorization": f"Bearer {KEY}"})
         round_trip = time.monotonic() - sent
         HTTP.get(f"{url}/tasks", headers={"x-request-id": "log-2"})
-        assert HTTP.get(f"{url}/metrics", headers={"x-request-id": "log-3"}).status_code == 401  # the middleware's
+        assert HTTP.get(f"{url}/metrics", headers={"x-request-id": "log-3"}).status_code == 401  # no token
     # each line is written before the last part of its answer is sent (mtbert/deploy/middleware.py)
     lines = [line for line in capfd.readouterr().err.splitlines() if "log-" in line]
     assert len(lines) == 3, lines
