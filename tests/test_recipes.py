@@ -37,6 +37,7 @@ def test_the_best_recipe_adds_the_split_half_pool_to_the_default(tmp_path):
     params = load_params(applied)
     assert list(params.models)[:2] == ["base", "stscross"] and len(params.models) == 10
     assert params.ensemble.method == "uniform"
+    assert params.runtime.malloc_threshold_mb == 16  # as the MPNet members' times were measured
     runs = set()
     for variant in list(params.models)[2:]:
         member = variant_params(applied, variant)  # raises, naming the key, where a stage would refuse it

@@ -21,7 +21,7 @@ app = typer.Typer(add_completion=False)
 # name -> (runtime.onednn_cache, runtime.malloc_threshold_mb); 0 leaves the library's default
 CONFIGURATIONS = {"neither": (0, 0), "onednn cache 8": (8, 0), "malloc 1 MB": (0, 1), "malloc 16 MB": (0, 16),
                   "both": (8, 1), "malloc 16 MB + onednn cache 8": (8, 16),
-                  "malloc 16 MB + onednn cache 64": (64, 16)}
+                  "malloc 16 MB + onednn cache 64": (64, 16), "malloc 2 MB + onednn cache 64": (64, 2)}
 
 
 def measure(steps: int, onednn_cache: int, malloc_threshold_mb: int) -> dict:
