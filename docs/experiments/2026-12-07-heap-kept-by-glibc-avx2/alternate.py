@@ -3,7 +3,6 @@
 
     PYTHONPATH=<repo> python alternate.py VARIANT TOKENIZED_DIR ROUNDS BLOCK MB [MB ...]
 """
-import ctypes
 import json
 import os
 import statistics
@@ -13,13 +12,12 @@ from pathlib import Path
 
 from bench.common import scratch_run
 from mtbert.params_file import variant_params
-from mtbert.runtime import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, setup_logging
+from mtbert.runtime import limit_memory_growth, setup_logging
 from mtbert.training import build
 from mtbert.training.step import compute, next_pieces
 
 variant, tokenized, rounds, block = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 arms = [int(mb) for mb in sys.argv[5:]]
-libc = ctypes.CDLL("libc.so.6")
 setup_logging("WARNING")
 params = variant_params(Path("params.yaml"), variant)
 run, progress = scratch_run(params, variant, tokenized, Path(os.environ.get("PROBE_SCRATCH", f"/tmp/probe-{variant}")))
@@ -30,8 +28,7 @@ steps = iter(schedule)
 
 def timed_block(mb: int, blocks: list) -> float:
     """The same steps' pieces (batches drawn once) computed under each threshold."""
-    for parameter in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD):
-        assert libc.mallopt(parameter, mb * 2**20) == 1
+    limit_memory_growth(0, mb)  # both of glibc's thresholds, as the stages set them
     start = time.perf_counter()
     for pieces in blocks:
         compute(run, progress, pieces, True)
