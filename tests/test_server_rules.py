@@ -554,6 +554,40 @@ def test_a_signal_that_arrives_inside_the_first_ones_handler_is_a_second_signal(
     assert capsys.readouterr().err == "" and server.grace_over is not supervised
 
 
+def test_a_drain_takes_the_waiting_connections_and_a_client_arriving_at_its_close_is_refused_never_reset(
+        monkeypatch):
+    """Closing a listening socket resets every connection in its accept queue. The drain takes the waiting
+    ones, and a client that connects just after it took them (here: right after the last accept, before the
+    close) must not complete its connection only to have it reset once its request is sent: its connect is
+    refused, which a client can retry elsewhere."""
+    import errno
+    import select
+
+    from mtbert.deploy import lifecycle
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    early, late = socket.socket(), socket.socket()
+    take_waiting = lifecycle.waiting_connections
+
+    def take_waiting_then_a_client_connects(listener_fd: int) -> list[socket.socket]:
+        taken = take_waiting(listener_fd)
+        late.setblocking(False)
+        late.connect_ex(listener.getsockname())  # in progress while the listener is still open
+        return taken
+
+    async def drain() -> int:
+        server = await asyncio.get_running_loop().create_server(asyncio.Protocol, sock=listener,
+                                                                start_serving=False)
+        return await lifecycle.stop_accepting([server])
+
+    monkeypatch.setattr(lifecycle, "waiting_connections", take_waiting_then_a_client_connects)
+    with early, late:
+        early.connect(listener.getsockname())  # completed by the kernel, waiting to be accepted
+        assert asyncio.run(drain()) == 1
+        _, writable, _ = select.select([], [late], [], PATIENCE)  # its connect ends: completed, or refused
+        assert writable and late.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNREFUSED
+
+
 def test_the_batching_loop_says_when_it_has_stopped():
     from mtbert.deploy.batcher import MicroBatcher
     from mtbert.deploy.metrics import ServerMetrics

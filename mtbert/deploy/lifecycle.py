@@ -28,6 +28,7 @@ copy of the socket, passes SIGTERM to every worker and waits for their drains (m
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import functools
 import os
@@ -128,15 +129,17 @@ async def stop_accepting(servers: list[asyncio.Server]) -> int:
     many were taken.
 
     Closing a listening socket resets the connections still waiting in its accept queue: a client that
-    connected and sent its request would read a reset, not an answer. So the queue is emptied first and
-    its connections are served as any other (each response saying `Connection: close`); only a
-    connection completed in the microseconds between the last accept and the close can still be reset.
-    With `--workers N` the socket is shared, and the last worker to close it empties it last.
+    connected and sent its request would read a reset, not an answer. So the socket first stops completing
+    new connections (`refuse_new_connections`), then the queue is emptied and its connections are served as
+    any other (each response saying `Connection: close`), and only then is it closed: no connection can
+    complete between the last accept and the close. A client that connects meanwhile is refused when its
+    connect is retried. With `--workers N` the socket is shared: the first worker to drain stops it for all.
     """
     loop = asyncio.get_running_loop()
     taken = []
     for server in servers:
         for listener in server.sockets:
+            refuse_new_connections(listener)
             for connection in waiting_connections(listener.fileno()):
                 # asyncio's own accept path: the server's protocol factory (no TLS: `mtbert serve` has none)
                 taken.append(loop.connect_accepted_socket(server._protocol_factory, connection))
@@ -145,6 +148,35 @@ async def stop_accepting(servers: list[asyncio.Server]) -> int:
         if isinstance(outcome, Exception):  # that client is gone already; the others are served
             log(f"a connection taken from the accept queue failed: {outcome!r}")
     return len(taken)
+
+
+class SocketFilter(ctypes.Structure):  # Linux's `struct sock_filter`: one classic BPF instruction
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class SocketFilterProgram(ctypes.Structure):  # Linux's `struct sock_fprog`
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SocketFilter))]
+
+
+SO_ATTACH_FILTER = 26  # <asm-generic/socket.h>; Python's socket module does not name it
+DROP_EVERY_PACKET = (SocketFilter * 1)(SocketFilter(code=0x06, k=0))  # BPF_RET | BPF_K: keep 0 bytes
+
+
+def refuse_new_connections(listener) -> None:
+    """Stop the listening socket from completing new connections, while it stays open (Linux).
+
+    A filter that drops every packet reaching the listener drops the SYNs and the handshakes' last ACKs, so
+    no connection joins its accept queue any more. The client's kernel retries its SYN a second later, finds
+    the socket closed by then, and reports a refused connection, which a client can safely retry elsewhere.
+    The connections already made, accepted or still queued, are sockets of their own: it does not reach them.
+    """
+    if sys.platform != "linux":
+        return  # elsewhere the race of `stop_accepting`'s docstring stays: a close can reset a new connection
+    program = SocketFilterProgram(len(DROP_EVERY_PACKET), DROP_EVERY_PACKET)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, bytes(program))
+    except OSError as error:  # a sandbox that forbids socket filters: the drain goes on, with that race
+        log(f"could not stop new connections before closing the listening socket: {error}")
 
 
 def waiting_connections(listener_fd: int, most: int = 1024) -> list[socket.socket]:
