@@ -1,13 +1,12 @@
 """Stage `distill@<student>`: one student of the ensemble, trained on its predictions of the training rows.
 
-The student has the configuration of variant `distill.variant` with its own seed (`distill.students`), and
-runs `train`'s fine-tuning loop (mtbert/training/finetune.py), each training row's loss blended from the
-ensemble's prediction of it and its gold label (mtbert/training/distillation.py). The teacher is the
-ensemble of metrics/ensemble.json: its members' dumps of the training split and of the transfer set (stage
-`transfer`; mtbert/evaluation/teacher.py), whose rows join with the teacher's labels only. Writes
-models/<student>/ (with its card), data/distilled/<student>/ (dev and test dumps and CS224N files; not in
-data/predictions/, which the ensemble reads), metrics/<student>.json and metrics/train/<student>.json (dev
-metrics, training summary). Resumes like `train`; with distill.enabled false, writes its outputs saying so.
+The student has the configuration of variant `distill.variant` with its own seed (`distill.students`), and runs
+`train`'s fine-tuning loop, each training row's loss blended from the ensemble's prediction of it and its gold label
+(mtbert/training/distillation.py). The teacher is the ensemble of metrics/ensemble.json: its members' dumps of the
+training split and of the transfer set (stage `transfer`). Writes models/<student>/ (with its card),
+data/distilled/<student>/ (dev and test dumps and CS224N files; not in data/predictions/, which the ensemble reads),
+data/distilled_snapshots/<student>/ (every epoch's dev dumps, for `stats`' honest estimate), metrics/<student>.json
+and metrics/train/<student>.json. Resumes like `train`; with distill.enabled false, writes its outputs saying so.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ class Outputs:
     """What the stage writes for one student."""
     model: Path  # models/<student>/
     dumps: Path  # data/distilled/<student>/
+    snapshots: Path  # data/distilled_snapshots/<student>/: every epoch's dev dumps, as train's data/snapshots/
     metrics: Path  # metrics/<student>.json: dev metrics, as predict's metrics/<variant>.json
     summary: Path  # metrics/train/<student>.json: the training summary, as train's
 
@@ -52,7 +52,7 @@ def skip(outputs: Outputs, student: str) -> None:
     log.info("distill.enabled is false: student %s is not trained", student)
     note = (f"# `{student}`: not trained\n\n`distill.enabled` is false in params.yaml, so the `distill` stage "
             "trained no student here (docs/ensembling.md, Distillation).\n")
-    for folder in (outputs.model, outputs.dumps):
+    for folder in (outputs.model, outputs.dumps, outputs.snapshots):
         with io.atomic_dir(folder) as temp:
             (temp / CARD_FILE).write_text(note, encoding="utf-8")
     for path in (outputs.metrics, outputs.summary):
@@ -71,14 +71,15 @@ def main(student: str = typer.Option(..., "--student", help="a key of distill.st
                                                                "[default: models/pretrained/<distill.variant>]"),
          models_dir: Path = typer.Option(Path("models")),
          dumps_dir: Path = typer.Option(Path("data/distilled")),
+         snapshots_dir: Path = typer.Option(Path("data/distilled_snapshots"), help="every epoch's dev dumps"),
          metrics_dir: Path = typer.Option(Path("metrics")),
          train_metrics_dir: Path = typer.Option(Path("metrics/train")),
          checkpoints_dir: Path = typer.Option(Path("checkpoints"))) -> None:
     setup_logging()
     distill = load_params(params_file).distill
     require_student(distill, student, params_file)
-    outputs = Outputs(model=models_dir / student, dumps=dumps_dir / student, metrics=metrics_dir / f"{student}.json",
-                      summary=train_metrics_dir / f"{student}.json")
+    outputs = Outputs(model=models_dir / student, dumps=dumps_dir / student, snapshots=snapshots_dir / student,
+                      metrics=metrics_dir / f"{student}.json", summary=train_metrics_dir / f"{student}.json")
     if not distill.enabled:
         skip(outputs, student)
         return
@@ -92,10 +93,9 @@ def main(student: str = typer.Option(..., "--student", help="a key of distill.st
                                 distill.temperature,
                                 transfer_teacher(ensemble_file, predictions_dir, transfer_dir, tasks),
                                 distill.transfer.weight)
-    # no snapshot dumps: a student is no ensemble candidate
     paths = Paths(tokenized=tokenized_dir, model_out=outputs.model, metrics_out=outputs.summary,
                   live_dir=checkpoints_dir / student / "live", checkpoints=checkpoints_dir / student,
-                  pretrained=layout.pretrained_of(distill.variant, pretrained_dir))
+                  pretrained=layout.pretrained_of(distill.variant, pretrained_dir), snapshots=outputs.snapshots)
     run, summary = finetune.fine_tune(own, student, paths, labels=distillation)
     if not run.ranks.is_main:
         return

@@ -4,10 +4,10 @@ Variants whose params differ only in `train.seed` form a group, and so do the di
 `distill` (with distill.enabled; their dumps are in data/distilled/). Writes metrics/stats.json: per group and
 task the mean, std, min and max over seeds of each dev metric and of the epoch kept, and for each pair of
 groups the difference of their seed-averaged headline metrics with a paired bootstrap interval (see
-mtbert/evaluation/seeds.py); per group of variants, the honest estimate of its per-task epoch choice (the
-epoch chosen on one half of dev from data/snapshots/, scored on the other, as the ensemble's is); and
-metrics/curves.tsv, every variant's dev metrics and training loss
-per epoch, which `dvc plots show` draws one panel per metric with a line per variant.
+mtbert/evaluation/seeds.py); per group, the honest estimate of its per-task epoch choice (the epoch chosen
+on one half of dev from data/snapshots/, or data/distilled_snapshots/ for the students, scored on the other, as
+the ensemble's is); and metrics/curves.tsv, every variant's dev metrics and training loss per epoch, which
+`dvc plots show` draws one panel per metric with a line per variant.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
          predictions_dir: Path = typer.Option(Path("data/predictions")),
          distilled_dir: Path = typer.Option(Path("data/distilled"), help="the distilled students' dumps"),
          snapshots_dir: Path = typer.Option(Path("data/snapshots"), help="every epoch's dev dumps of each variant"),
+         distilled_snapshots_dir: Path = typer.Option(Path("data/distilled_snapshots"),
+                                                      help="every epoch's dev dumps of each student"),
          train_metrics_dir: Path = typer.Option(Path("metrics/train")),
          stats_file: Path = typer.Option(Path("metrics/stats.json")),
          curves_file: Path = typer.Option(Path("metrics/curves.tsv"))) -> None:
@@ -78,8 +80,9 @@ def main(params_file: Path = typer.Option(Path("params.yaml")),
             "variants": variants, "seeds": [seed_of(params_file, params, v) for v in variants],
             "dev": group_statistics(per_variant, tasks),
             "epochs": {name: spread([summaries[v]["task_epochs"][name] for v in variants]) for name in tasks},
-            **({"student_of": params.distill.variant} if group in students else
-               {"honest": honest_group(variants, snapshots_dir, dev_splits, tasks)})}
+            "honest": honest_group(variants, distilled_snapshots_dir if group in students else snapshots_dir,
+                                   dev_splits, tasks),
+            **({"student_of": params.distill.variant} if group in students else {})}
         log.info("%s (%d seeds): dev overall %.4f ± %.4f", group, len(variants),
                  report["groups"][group]["dev"]["overall"]["mean"], report["groups"][group]["dev"]["overall"]["std"])
     for first, second in combinations(groups, 2):

@@ -181,10 +181,11 @@ def stage_arguments(root: Path, params_file: Path, tokenized: Path) -> dict[str,
         "distill": [*common, "--rejects-file", rejects, "--predictions-dir", root / "predictions",
                     "--transfer-dir", root / "transfer",
                     "--ensemble-file", root / "metrics" / "ensemble.json", "--models-dir", root / "models",
-                    "--dumps-dir", root / "distilled", "--metrics-dir", root / "metrics",
+                    "--dumps-dir", root / "distilled", "--snapshots-dir", root / "distilled_snapshots",
+                    "--metrics-dir", root / "metrics",
                     "--train-metrics-dir", root / "metrics" / "train", "--checkpoints-dir", root / "ck"],
         "stats": [*common, "--predictions-dir", root / "predictions", "--distilled-dir", root / "distilled",
-                  "--snapshots-dir", root / "snapshots",
+                  "--snapshots-dir", root / "snapshots", "--distilled-snapshots-dir", root / "distilled_snapshots",
                   "--train-metrics-dir", root / "metrics" / "train", "--stats-file", root / "metrics" / "stats.json",
                   "--curves-file", root / "metrics" / "curves.tsv"],
     }
@@ -282,7 +283,7 @@ def test_a_resumed_student_equals_an_uninterrupted_one(pipeline, tiny_backbone, 
 def test_the_student_is_a_model_folder_with_its_card_and_dumps(pipeline, tiny_tokenized):
     from mtbert.evaluation.evaluate import predict_split
     from mtbert.evaluation.predictions import read_dump
-    from mtbert.model.saved import load_model
+    from mtbert.model.saved import epoch_dir, load_model
 
     folder = pipeline / "models" / "distilled"
     model, config = load_model(folder)
@@ -308,6 +309,12 @@ def test_the_student_is_a_model_folder_with_its_card_and_dumps(pipeline, tiny_to
     assert set(predicted[0]) == {"score", "label"}  # as `mtbert predict --model models/distilled` reads it
     summary = json.loads((pipeline / "metrics" / "train" / "distilled-1.json").read_text())
     assert summary["variant"] == "distilled-1" and set(summary["task_epochs"]) == set(TASKS)
+    snapshots = pipeline / "distilled_snapshots" / "distilled-1"  # every epoch's dev dumps, as train's
+    assert json.loads((snapshots / "chosen.json").read_text()) == summary["task_epochs"]
+    assert sorted(path.name for path in snapshots.glob("epoch-*")) == [epoch_dir(r["epoch"]) for r in summary["epochs"]]
+    for task in TASKS.values():  # the epoch each task kept is the student's own dump
+        np.testing.assert_allclose(read_dump(snapshots / epoch_dir(summary["task_epochs"][task.name]), task, "dev")[1],
+                                   read_dump(pipeline / "distilled" / "distilled-1", task, "dev")[1], atol=1e-5)
     assert not (pipeline / "ck" / "distilled").exists()  # the run is complete
 
 
@@ -319,9 +326,12 @@ def test_the_students_form_a_seed_group_in_stats_and_the_results_table(pipeline)
     assert stats["groups"]["distilled"]["variants"] == ["distilled", "distilled-1"]
     assert stats["groups"]["distilled"]["seeds"] == [0, 1] and stats["groups"]["distilled"]["student_of"] == "base"
     assert "distilled - base" in stats["comparisons"]
+    assert set(stats["groups"]["distilled"]["honest"]) == {*TASKS, "overall"}  # from the students' epoch dumps
     ensemble = json.loads((pipeline / "metrics" / "ensemble.json").read_text())
-    row = next(line for line in results_table(stats, ensemble).splitlines() if line.startswith("| `distilled`"))
+    table = results_table(stats, ensemble).splitlines()
+    row = next(line for line in table if line.startswith("| `distilled`"))
     assert "2 seed(s), student of the ensemble (configuration of `base`), mean ± std" in row
+    assert any(line.startswith("| `distilled`, honest estimate |") for line in table)
 
 
 @pytest.mark.slow(reason="trains two variants and two students (the `pipeline` fixture)")
@@ -335,6 +345,7 @@ def test_switched_off_the_stage_writes_outputs_that_say_so_and_stats_leaves_stud
     assert json.loads((tmp_path / "metrics" / "train" / "distilled.json").read_text()) == {"enabled": False}
     assert [p.name for p in (tmp_path / "models" / "distilled").iterdir()] == ["README.md"]
     assert [p.name for p in (tmp_path / "distilled" / "distilled").iterdir()] == ["README.md"]
+    assert [p.name for p in (tmp_path / "distilled_snapshots" / "distilled").iterdir()] == ["README.md"]
     invoke("stages.export", "--model", "distilled", "--params-file", params_file, "--tokenized-dir", tiny_tokenized,
            "--models-dir", tmp_path / "models", "--exports-dir", tmp_path / "exports",
            "--metrics-dir", tmp_path / "metrics" / "export")  # export.models names the untrained student

@@ -109,7 +109,7 @@ def honest_group(variants: list[str], snapshots_dir: Path, dev_splits: dict, tas
         folders = epoch_folders(snapshots_dir / variant)
         if not folders:
             raise MissingInputError(f"{snapshots_dir / variant} has no epoch-<E> dumps; run `dvc repro` for "
-                                    f"train@{variant}")
+                                    f"the stage that trains {variant} (train@{variant} or distill@{variant})")
         scores = {name: honest_epoch_choice(task, [read_aligned(folder, task, "dev", dev_splits[name].ids)
                                                    for folder in folders], dev_splits[name].labels,
                                             dev_splits[name].ids)["score"] for name, task in tasks.items()}
