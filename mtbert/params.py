@@ -418,7 +418,9 @@ class TransferParams(Section):
     """The transfer set: inputs beyond the training rows that the teacher labels for the students (stage
     `transfer`, mtbert/data/transfer.py). Only training-split text goes in (docs/ensembling.md)."""
     rows: dict[str, Count] = Field(description="Transfer rows per task (0 or left out: none). A one-sentence task "
-                                               "gets other tasks' sentences; a pair task, new pairs.")
+                                               "gets new sentences (`sentences_from`); a pair task, new pairs.")
+    sentences_from: Literal["others", "spans"] = Field(description="One-sentence tasks: the other tasks' training "
+                                                                   "sentences, or word spans of the task's own.")
     pairs_from: Literal["own", "all"] = Field(description="Pair tasks: new pairs of the task's own training "
                                                           "sentences, or of every task's.")
     neighbours: Share = Field(description="Pair tasks: the share of new pairs that join a sentence to one of its "

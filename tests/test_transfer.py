@@ -19,8 +19,8 @@ from mtbert.training.losses import task_loss
 from stages.transfer import app
 from tests.conftest import TASKS, make_params
 
-PARAMS = TransferParams(rows={"sst": 10, "qqp": 12, "sts": 12}, pairs_from="own", neighbours=0.5, top_k=2,
-                        swapped=0.25, weight=1.0, seed=0)
+PARAMS = TransferParams(rows={"sst": 10, "qqp": 12, "sts": 12}, sentences_from="others", pairs_from="own",
+                        neighbours=0.5, top_k=2, swapped=0.25, weight=1.0, seed=0)
 
 
 def training_text() -> dict[str, TrainingText]:
@@ -75,6 +75,20 @@ def test_a_one_sentence_task_gets_other_tasks_sentences_never_its_own_and_stops_
     others = set(training_text()["qqp"].sentences())
     assert len(rows) == 8 and set(rows["sentence"]) == others  # 10 wanted, 8 there
     assert set(rows["source"]) == {"sentence"}
+
+
+def test_spans_are_new_word_spans_of_the_tasks_own_sentences_and_stop_when_they_run_out():
+    sentences = ["the film is not good at all", "a slow , dull and tired story", "fine", "it works"]
+    training = {**training_text(), "sst": TrainingText.from_table(TASKS["sst"], pd.DataFrame({"sentence": sentences}))}
+    spans = TransferParams(**{**PARAMS.__dict__, "sentences_from": "spans"})
+    rows = transfer_rows(TASKS["sst"], training, spans, 10, embed)
+    assert len(rows) == 10 and set(rows["source"]) == {"span"} and rows["sentence"].is_unique
+    assert rows.equals(transfer_rows(TASKS["sst"], training, spans, 10, embed))
+    for span in rows["sentence"]:
+        assert 3 <= len(span.split()) < 7 and span not in sentences
+        assert any(f" {span} " in f" {sentence} " for sentence in sentences[:2])  # whole words of one sentence
+    every_span = transfer_rows(TASKS["sst"], training, spans, 40, embed)  # two 7-word sentences: 2 × (5+4+3+2)
+    assert len(every_span) == 28 and every_span["sentence"].is_unique
 
 
 def run_stage(tmp_path: Path, tiny_backbone: Path, tokenized: Path, distill: dict) -> Path:

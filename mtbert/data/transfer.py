@@ -8,7 +8,9 @@ tasks' training splits: dev and test text would be transductive, and dev chooses
 
 Per task, `distill.transfer.rows` rows:
 - a one-sentence task (SST): sentences of the other tasks' training splits, drawn without replacement, none
-  that is already one of the task's own training sentences;
+  that is already one of the task's own training sentences (`sentences_from: others`); or word spans of its own
+  training sentences, each shorter than its sentence and new (`spans`: phrases of the task's domain, as the
+  Stanford Sentiment Treebank labels its sentences' phrases);
 - a pair task (QQP, STS): the share `swapped` are training pairs in the order (b, a); of the rest, the share
   `neighbours` join a drawn sentence to one of its `top_k` nearest sentences by the encoder's embedding,
   and the others join two drawn sentences at random. The sentences are the task's own training sentences
@@ -31,8 +33,9 @@ import pandas as pd
 from mtbert.data.tasks import Task
 from mtbert.params import TransferParams
 
-SOURCES = ("sentence", "swapped", "neighbour", "random")  # how a row was made; the `source` column
-MAX_DRAWS_PER_ROW = 20  # random pairs: draws tried per row wanted before giving up on a small pool
+SOURCES = ("sentence", "span", "swapped", "neighbour", "random")  # how a row was made; the `source` column
+MAX_DRAWS_PER_ROW = 20  # random pairs and spans: draws tried per row wanted before giving up on a small pool
+MIN_SPAN_WORDS = 3  # a shorter span rarely carries a sentiment of its own
 
 # (texts) -> (N, D) unit-length sentence embeddings; the stage passes the pretrained encoder's
 Embed = Callable[[list[str]], np.ndarray]
@@ -68,6 +71,8 @@ def transfer_rows(task: Task, training: dict[str, TrainingText], params: Transfe
     rng = task_generator(params.seed, task.name)
     if task.is_pair:
         texts = pair_rows(training, task.name, wanted, params, rng, embed)
+    elif params.sentences_from == "spans":
+        texts = span_rows(training[task.name], wanted, rng)
     else:
         texts = sentence_rows(training, task.name, wanted, rng)
     columns = {"id": [f"transfer-{task.name}-{index}" for index in range(len(texts))]}
@@ -86,6 +91,25 @@ def sentence_rows(training: dict[str, TrainingText], task: str, wanted: int,
     pool = list(dict.fromkeys(pool))
     chosen = rng.choice(len(pool), size=min(wanted, len(pool)), replace=False) if pool else []
     return [(pool[i], "sentence") for i in sorted(chosen)]
+
+
+def span_rows(own: TrainingText, wanted: int, rng: np.random.Generator) -> list[tuple[str, str]]:
+    """Contiguous word spans of the task's training sentences: MIN_SPAN_WORDS words or more, shorter than their
+    sentence, none a training sentence or a repeat. A sentence drawn at random, then a length and a start."""
+    sentences = [words for words in (text.split() for text in own.sentences()) if len(words) > MIN_SPAN_WORDS]
+    seen = set(own.sentences())
+    rows: list[tuple[str, str]] = []
+    for _ in range(MAX_DRAWS_PER_ROW * max(wanted, 0) if sentences else 0):
+        if len(rows) >= wanted:
+            break
+        words = sentences[rng.integers(len(sentences))]
+        length = int(rng.integers(MIN_SPAN_WORDS, len(words)))  # up to one word fewer than the sentence
+        start = int(rng.integers(len(words) - length + 1))
+        span = " ".join(words[start:start + length])
+        if span not in seen:
+            seen.add(span)
+            rows.append((span, "span"))
+    return rows
 
 
 def pair_rows(training: dict[str, TrainingText], task: str, wanted: int, params: TransferParams,
