@@ -56,14 +56,31 @@ def over_baseline(figures: dict, baseline: str) -> dict:
             for name in figures["texts_per_second"]}
 
 
+def shared_tasks(exports: dict[str, Path]) -> dict:
+    """The tasks that every export serves, in the baseline's order. A member's folder inside an ensemble's
+    export holds only the tasks the ensemble gave that member."""
+    served = [load_export(folder).tasks for folder in exports.values()]
+    return {name: task for name, task in served[0].items() if all(name in tasks for tasks in served)}
+
+
+def task_with_columns(tasks: dict, columns: int, exports: dict[str, Path]) -> str:
+    """The first task whose input is `columns` texts; a one-line error when no task every export serves is."""
+    for name, task in tasks.items():
+        if len(task.text_columns) == columns:
+            return name
+    kind = "one-sentence" if columns == 1 else "pair"
+    named = ", ".join(f"{name}={folder}" for name, folder in exports.items())
+    raise typer.BadParameter(f"no {kind} task is served by every export ({named}); they share "
+                             f"{sorted(tasks) or 'no task'}")
+
+
 def side_by_side_figures(exports: dict[str, Path], tokenized_dir: Path, *, threads: int, batch_size: int = 128,
                          texts_per_task: int = 1000, single_calls: int = 200, rounds: int = 2, clients: int = 64,
                          requests: int = 20, scratch: Path) -> dict:
     baseline = next(iter(exports))
-    tasks = load_export(exports[baseline]).tasks
+    tasks = shared_tasks(exports)
     texts = dev_texts(tokenized_dir, tasks, texts_per_task)
-    sentence = next(name for name, task in tasks.items() if len(task.text_columns) == 1)
-    pair = next(name for name, task in tasks.items() if len(task.text_columns) == 2)
+    sentence, pair = task_with_columns(tasks, 1, exports), task_with_columns(tasks, 2, exports)
     print(f"  {', '.join(exports)} in one fresh process: one {sentence} sentence and one {pair} pair x "
           f"{single_calls} calls, {sum(map(len, texts.values()))} dev rows x {rounds} rounds ...", flush=True)
     figures = {"baseline": baseline, "exports": {name: str(folder) for name, folder in exports.items()},

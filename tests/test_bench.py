@@ -4,6 +4,7 @@ import json
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -57,6 +58,29 @@ def test_padding_counts_each_batch_padded_to_its_longest_row_per_token_column():
     assert padding_fraction([np.array([0, 1, 2])], [lengths]) == round(1 - 12 / 15, 4)
     # a bi-encoder's sentences are padded apart: the second column's batch pads 2 + 2 to 4 + 4
     assert padding_fraction([np.array([0, 1])], [lengths[:2], np.array([2, 4])]) == round(1 - 14 / 18, 4)
+
+
+def test_side_by_side_times_a_sentence_and_a_pair_task_that_every_export_serves(monkeypatch):
+    """A member's folder inside an ensemble's export serves only the tasks the ensemble gave it (here not SST):
+    the timing then has no one-sentence task, and says so in one line naming the exports."""
+    from types import SimpleNamespace
+
+    import typer
+
+    from bench import side_by_side
+    from bench.side_by_side import shared_tasks, task_with_columns
+
+    sentence = SimpleNamespace(text_columns=["sentence"])
+    pair = SimpleNamespace(text_columns=["sentence1", "sentence2"])
+    served = {"distilled": {"sst": sentence, "sts": pair, "qqp": pair}, "base": {"qqp": pair, "sts": pair}}
+    monkeypatch.setattr(side_by_side, "load_export", lambda folder: SimpleNamespace(tasks=served[Path(folder).name]))
+    exports = {"student": Path("exports/distilled"), "base": Path("exports/ensemble/base")}
+    shared = shared_tasks(exports)
+    assert list(shared) == ["sts", "qqp"]  # the baseline's order
+    assert task_with_columns(shared, 2, exports) == "sts"
+    with pytest.raises(typer.BadParameter, match=r"^no one-sentence task is served by every export "
+                       r"\(student=exports/distilled, base=exports/ensemble/base\); they share \['qqp', 'sts'\]$"):
+        task_with_columns(shared, 1, exports)
 
 
 def test_the_peer_has_run_glues_label_counts():

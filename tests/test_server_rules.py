@@ -1,10 +1,11 @@
-"""The server's own rules, each shown on a real server in this process (tests/inprocess.py) called by a real
-HTTP client: request ids, the bearer token, admission (the concurrency bound, the queue's bounds), deadlines,
-the end of a drain's grace period, clients that hang up, counting and access logs (mtbert/deploy/middleware.py,
-batcher.py), and the OpenAPI document's parts (schema.py). The engine is held at a gate the test opens, so
-events are ordered by what the server answers and counts, never by sleeps; it answers the label a text's
-length gives, because the rules are the server's, not a model's (the subprocess tests of test_serve.py and
-test_serve_hostile.py serve a real export). No fixture is built, so `make mutation` runs these per mutant."""
+"""The server's own rules, each shown on a real server in this process (tests/inprocess.py) called by a real HTTP
+client: request ids, the bearer token, admission (the concurrency bound, the queue's bounds), deadlines, the end of
+a drain's grace period, the drain's accept queue (lifecycle.py: queued clients taken, late ones refused, never
+reset), clients that hang up, counting and access logs (mtbert/deploy/middleware.py, batcher.py), and the OpenAPI
+document's parts (schema.py). The engine is held at a gate the test opens, so events are ordered by what the server
+answers and counts, never by sleeps; it answers the label a text's length gives, because the rules are the server's,
+not a model's (the subprocess tests of test_serve.py and test_serve_hostile.py serve a real export). No fixture is
+built, so `make mutation` runs these per mutant."""
 
 from __future__ import annotations
 
